@@ -1,0 +1,81 @@
+"""User-facing switches of donate_xla.
+
+The environment is read once, at import, into an immutable ``Settings``.
+Tests and users change them from Python with ``config.patch(...)``. Every
+compiled artefact records the ``Settings`` it was built with and checks
+``cache_key()`` when it is called, so flipping a switch recompiles instead of
+reusing code built under the other setting.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator, Mapping
+
+_NATIVE_COMPILERS = ("aten", "inductor")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    donation: bool = True  # DONATE_XLA_DONATION
+    free_saved: bool = True  # DONATE_XLA_FREE_SAVED
+    bucket_view: bool = True  # DONATE_XLA_BUCKET_VIEW
+    debug: bool = False  # DONATE_XLA_DEBUG
+    native_compiler: str = "aten"  # DONATE_XLA_NATIVE_COMPILER
+
+    def __post_init__(self) -> None:
+        if self.native_compiler not in _NATIVE_COMPILERS:
+            raise ValueError(
+                f"donate_xla: native_compiler must be one of {_NATIVE_COMPILERS}, "
+                f"got {self.native_compiler!r} (set DONATE_XLA_NATIVE_COMPILER)"
+            )
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"donate_xla: {name}={raw!r} is not a boolean; use 1 or 0")
+
+
+def settings_from_env(environ: Mapping[str, str]) -> Settings:
+    """Build ``Settings`` from an environment mapping (pure, for tests)."""
+    kwargs = {}
+    for field, var in (
+        ("donation", "DONATE_XLA_DONATION"),
+        ("free_saved", "DONATE_XLA_FREE_SAVED"),
+        ("bucket_view", "DONATE_XLA_BUCKET_VIEW"),
+        ("debug", "DONATE_XLA_DEBUG"),
+    ):
+        if var in environ:
+            kwargs[field] = _parse_bool(var, environ[var])
+    if "DONATE_XLA_NATIVE_COMPILER" in environ:
+        kwargs["native_compiler"] = environ["DONATE_XLA_NATIVE_COMPILER"].strip().lower()
+    return Settings(**kwargs)
+
+
+_current = settings_from_env(os.environ)
+
+
+def current() -> Settings:
+    return _current
+
+
+def cache_key() -> tuple:
+    """The part of every compile cache key that comes from the switches."""
+    return dataclasses.astuple(_current)
+
+
+@contextlib.contextmanager
+def patch(**changes) -> Iterator[Settings]:
+    """Temporarily change switches: ``with config.patch(donation=False): ...``."""
+    global _current
+    saved = _current
+    _current = dataclasses.replace(saved, **changes)
+    try:
+        yield _current
+    finally:
+        _current = saved

@@ -1,0 +1,13 @@
+"""Exceptions raised by donate_xla. Every message names the graph and says what to do."""
+
+
+class DonateXlaError(RuntimeError):
+    """Base class for errors raised by the donate_xla backend."""
+
+
+class UnsupportedGraphError(DonateXlaError):
+    """The graph uses an op or feature the backend cannot compile."""
+
+
+class LiveAliasError(DonateXlaError):
+    """A tensor the user can still read shares a buffer that would be donated."""

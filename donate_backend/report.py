@@ -1,0 +1,135 @@
+"""One record per compiled graph: what was compiled, donated, excluded and freed.
+
+``reports()`` returns the records in compile order; ``format_table`` and
+``format_record`` print them. The XLA and native paths fill in the fields that
+apply to them and leave the rest at their defaults.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Optional
+
+log = logging.getLogger("donate_xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class InputDonation:
+    """A graph input whose buffer is handed to XLA for the outputs to reuse."""
+
+    index: int
+    role: str  # parameter, gradient, optimizer_state, buffer, other
+    shape: tuple
+    dtype: str
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class InputExclusion:
+    """A graph input that is overwritten but not donated, and why."""
+
+    index: int
+    role: str
+    reason: str
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    graph_id: int  # dynamo graph number, shared by its forward and backward
+    kind: str  # forward, backward, inference
+    device: str
+    path: str  # xla or native
+    num_inputs: int
+    compile_seconds: float = 0.0
+    transfers_count: int = 0  # host-to-device transfers while compiling
+    transfers_bytes: int = 0
+    constants_uploaded: int = 0  # lifted tensor constants uploaded once
+    donated: list = dataclasses.field(default_factory=list)  # [InputDonation]
+    excluded: list = dataclasses.field(default_factory=list)  # [InputExclusion]
+    donation_enabled: bool = True
+    # native path
+    saved_freed_early: Optional[int] = None
+    buffers_reused: Optional[int] = None
+    bucket_grads: Optional[int] = None
+    bucket_bytes: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        return f"graph {self.graph_id} {self.kind}"
+
+    @property
+    def donated_bytes(self) -> int:
+        return sum(d.nbytes for d in self.donated)
+
+
+_lock = threading.Lock()
+_records: list[GraphRecord] = []
+
+
+def add(record: GraphRecord) -> GraphRecord:
+    with _lock:
+        _records.append(record)
+    from . import config
+
+    if config.current().debug:
+        log.warning("donate_xla compiled %s\n%s", record.name, format_record(record))
+    return record
+
+
+def reports() -> list[GraphRecord]:
+    """All graph records so far, oldest first."""
+    with _lock:
+        return list(_records)
+
+
+def clear_reports() -> None:
+    with _lock:
+        _records.clear()
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def format_record(r: GraphRecord) -> str:
+    lines = [
+        f"{r.name} [{r.path}, {r.device}] inputs={r.num_inputs} "
+        f"compile={r.compile_seconds:.3f}s transfers={r.transfers_count} ({r.transfers_bytes} B)"
+    ]
+    if r.constants_uploaded:
+        lines.append(f"  constants uploaded once: {r.constants_uploaded}")
+    if r.path == "xla":
+        state = "on" if r.donation_enabled else "off (DONATE_XLA_DONATION=0)"
+        lines.append(f"  donation {state}: {len(r.donated)} inputs, {_mib(r.donated_bytes)}")
+        for d in r.donated:
+            lines.append(
+                f"    donated  #{d.index:<3} {d.role:<15} {d.dtype}{list(d.shape)} {d.nbytes} B"
+            )
+        for e in r.excluded:
+            lines.append(f"    excluded #{e.index:<3} {e.role:<15} {e.reason}")
+    if r.saved_freed_early is not None:
+        lines.append(
+            f"  saved tensors freed early: {r.saved_freed_early}, buffers reused: {r.buffers_reused}"
+        )
+    if r.bucket_grads is not None:
+        lines.append(f"  gradients in DDP buckets: {r.bucket_grads} ({_mib(r.bucket_bytes or 0)})")
+    return "\n".join(lines)
+
+
+def format_table(records: Optional[list[GraphRecord]] = None) -> str:
+    """A fixed-width table, one row per graph."""
+    records = reports() if records is None else records
+    header = (
+        f"{'graph':<22}{'path':<8}{'device':<8}{'inputs':>7}{'xfers':>7}{'xfer B':>9}"
+        f"{'donated':>9}{'donated MiB':>13}{'freed':>7}{'compile s':>11}"
+    )
+    rows = [header, "-" * len(header)]
+    for r in records:
+        freed = "-" if r.saved_freed_early is None else str(r.saved_freed_early)
+        rows.append(
+            f"{r.name:<22}{r.path:<8}{r.device:<8}{r.num_inputs:>7}{r.transfers_count:>7}"
+            f"{r.transfers_bytes:>9}{len(r.donated):>9}{r.donated_bytes / 2**20:>13.2f}"
+            f"{freed:>7}{r.compile_seconds:>11.3f}"
+        )
+    return "\n".join(rows)
