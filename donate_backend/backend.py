@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
+from .analysis.mutation import dynamo_input_roles
+
 _graph_ids = itertools.count()
 
 
@@ -24,6 +26,7 @@ class GraphContext:
 
     graph_id: int
     kind: str  # "forward", "backward" or "inference"
+    input_roles: tuple = ()  # one role per dynamo input (see analysis.mutation)
 
     @property
     def name(self) -> str:
@@ -46,9 +49,9 @@ def _path_module(device_type: str):
     return path
 
 
-def _kind_compiler(path_compile: Callable, graph_id: int, kind: str) -> Callable:
+def _kind_compiler(path_compile: Callable, graph_id: int, roles: tuple, kind: str) -> Callable:
     def compile_one(gm: torch.fx.GraphModule, example_inputs):
-        return path_compile(gm, list(example_inputs), GraphContext(graph_id, kind))
+        return path_compile(gm, list(example_inputs), GraphContext(graph_id, kind, roles))
 
     return compile_one
 
@@ -57,7 +60,8 @@ def donate_xla(gm: torch.fx.GraphModule, example_inputs, **_options):
     """Dynamo backend entry point (registered as ``"donate_xla"``)."""
     graph_id = next(_graph_ids)
     path = _path_module(graph_device_type(example_inputs))
-    make = functools.partial(_kind_compiler, path.compile_graph, graph_id)
+    roles = dynamo_input_roles(gm, example_inputs)
+    make = functools.partial(_kind_compiler, path.compile_graph, graph_id, roles)
     aot_options = dict(
         fw_compiler=make("forward"),
         bw_compiler=make("backward"),

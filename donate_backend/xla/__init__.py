@@ -1,9 +1,11 @@
-"""XLA path (placeholder; filled in by the foundation issue)."""
+"""XLA path: abstract lowering with automatic buffer donation (needs torch_xla)."""
+from __future__ import annotations
+
+from .compiler import compile_graph
 
 
 def aot_options() -> dict:
     return {}
 
 
-def compile_graph(gm, example_inputs, ctx):
-    raise NotImplementedError("XLA path not built yet")
+__all__ = ["compile_graph", "aot_options"]

@@ -1,0 +1,113 @@
+"""Which donation candidates must not be donated, and why.
+
+A candidate's buffer is handed to XLA to be overwritten, so nothing else may
+still read it: not another input sharing its storage, not an output that
+returns or views its old value, not a tensor saved for backward. Pure
+functions over fake example inputs and the FX graph.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Optional, Sequence
+
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .mutation import placeholders
+
+SHARES_STORAGE = "shares storage with input #{other} (tied weights or views of one base)"
+PASSED_TWICE = "the same tensor is passed again as input #{other}"
+SAVED_FOR_BACKWARD = "its old value is saved for backward"
+RETURNED = "it is returned or aliased by an output"
+NO_MATCHING_OUTPUT = "no output has its shape and dtype, so no output can take its buffer"
+HOST_SCALAR = "it is a host (CPU) scalar, uploaded afresh on every call"
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def shared_storage_partner(example_inputs: Sequence) -> dict[int, str]:
+    """Inputs whose storage (or identity) is shared with another input."""
+    reasons: dict[int, str] = {}
+    by_identity: dict[int, int] = {}
+    by_storage: dict[object, list[int]] = collections.defaultdict(list)
+    for i, t in enumerate(example_inputs):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if id(t) in by_identity:
+            first = by_identity[id(t)]
+            reasons[i] = PASSED_TWICE.format(other=first)
+            reasons.setdefault(first, PASSED_TWICE.format(other=i))
+            continue
+        by_identity[id(t)] = i
+        key = _storage_key(t)
+        if key is not None:
+            by_storage[key].append(i)
+    for group in by_storage.values():
+        for i in group:
+            if len(group) > 1 and i not in reasons:
+                other = next(j for j in group if j != i)
+                reasons[i] = SHARES_STORAGE.format(other=other)
+    return reasons
+
+
+
+
+def _is_view_op(node: torch.fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    return bool(schema.returns) and any(r.alias_info is not None for r in schema.returns)
+
+
+def inputs_reaching_outputs(graph: torch.fx.Graph) -> dict[int, list[int]]:
+    """Map input index -> output positions that return it or a view of it."""
+    index_of = {node: i for i, node in enumerate(placeholders(graph))}
+    root_of: dict[torch.fx.Node, int] = {}
+    for node in graph.nodes:
+        if node in index_of:
+            root_of[node] = index_of[node]
+        elif node.op == "call_function" and _is_view_op(node) and node.args:
+            base = node.args[0]
+            if isinstance(base, torch.fx.Node) and base in root_of:
+                root_of[node] = root_of[base]
+        elif node.op == "call_function" and node.target is torch.ops.aten.copy_.default:
+            pass  # copy_ returns its first arg, whose *new* value is what flows on
+    result: dict[int, list[int]] = collections.defaultdict(list)
+    output = next(n for n in graph.nodes if n.op == "output")
+    for pos, value in enumerate(torch.fx.node.map_arg(output.args[0], lambda n: n) or ()):
+        if isinstance(value, torch.fx.Node) and value in root_of:
+            result[root_of[value]].append(pos)
+    return dict(result)
+
+
+def outputs_without_slot(
+    donors: Sequence[int], example_inputs: Sequence, output_metas: Sequence
+) -> list[int]:
+    """Donors for which no output of the same shape and dtype is left over."""
+    free = collections.Counter(
+        (tuple(m.shape), m.dtype) for m in output_metas if isinstance(m, torch.Tensor)
+    )
+    unmatched = []
+    for i in donors:
+        key = (tuple(example_inputs[i].shape), example_inputs[i].dtype)
+        if free[key] > 0:
+            free[key] -= 1
+        else:
+            unmatched.append(i)
+    return unmatched
+
+
+def classify_output_use(
+    positions: Sequence[int], num_user_outputs: Optional[int]
+) -> str:
+    """Reason for an input that reaches the outputs at ``positions``."""
+    if num_user_outputs is not None and all(p >= num_user_outputs for p in positions):
+        return SAVED_FOR_BACKWARD
+    return RETURNED

@@ -1,0 +1,81 @@
+"""Which graph inputs a functional FX graph overwrites, and what they are.
+
+aot_autograd keeps input mutations in the graph as a ``copy_`` epilogue
+(``keep_inference_input_mutations=True``): ``aten.copy_(primal, new_value)``.
+An input written that way has a dead old value once the graph returns, so its
+buffer is a donation candidate. Pure functions over the graph; no device work.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional, Sequence
+
+import torch
+import torch.fx
+
+ROLES = ("parameter", "gradient", "optimizer_state", "buffer", "other")
+
+_COPY_TARGETS = (torch.ops.aten.copy_.default,)
+
+
+def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def mutated_input_indices(graph: torch.fx.Graph) -> list[int]:
+    """Indices of inputs that the graph overwrites with ``copy_`` (sorted)."""
+    index_of = {node: i for i, node in enumerate(placeholders(graph))}
+    mutated = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _COPY_TARGETS and node.args[0] in index_of:
+            mutated.add(index_of[node.args[0]])
+        elif _is_inplace_on_input(node, index_of):
+            mutated.add(index_of[node.args[0]])
+    return sorted(mutated)
+
+
+def _is_inplace_on_input(node: torch.fx.Node, index_of: dict) -> bool:
+    """Any other ATen op that writes its first argument (``foo_`` or ``out=``)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not node.args:
+        return False
+    if node.args[0] not in index_of:
+        return False
+    schema = target._schema
+    return bool(schema.arguments) and schema.arguments[0].is_write
+
+
+def input_role(source_name: Optional[str], is_parameter: bool) -> str:
+    """Classify a dynamo input by its source name (e.g. ``L['self']...weight``)."""
+    if is_parameter:
+        return "parameter"
+    if not source_name:
+        return "other"
+    name = source_name
+    if name.endswith(".grad") or re.search(r"\.grad\b", name):
+        return "gradient"
+    if re.search(r"state|momentum_buffer|exp_avg|'step'", name):
+        return "optimizer_state"
+    if "_buffers" in name or re.search(r"running_(mean|var)|num_batches_tracked", name):
+        return "buffer"
+    if "_parameters" in name:
+        return "parameter"
+    return "other"
+
+
+def dynamo_input_roles(gm: torch.fx.GraphModule, example_inputs: Sequence) -> tuple[str, ...]:
+    """One role per aot_autograd flat input, from the names dynamo recorded.
+
+    aot_autograd's flat inputs are the dynamo module's parameters, then its
+    buffers (optimizer state that dynamo made attributes), then the placeholders.
+    """
+    roles = [input_role(name, True) for name, _ in gm.named_parameters(remove_duplicate=False)]
+    roles += [input_role(name, False) for name, _ in gm.named_buffers(remove_duplicate=False)]
+    for node, value in zip(placeholders(gm.graph), example_inputs):
+        grapharg = node.meta.get("grapharg")
+        source = getattr(grapharg, "source", None)
+        source_name = source.name() if source is not None else None
+        roles.append(input_role(source_name, isinstance(value, torch.nn.Parameter)))
+    return tuple(roles)

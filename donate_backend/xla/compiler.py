@@ -1,0 +1,156 @@
+"""The XLA path's compiler: analysis -> donor set -> lowering -> executable.
+
+Each graph is lowered once per switch setting. The returned callable checks
+``config.cache_key()`` on every call, so flipping a switch recompiles.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
+from .. import config, report
+from ..analysis import aliasing, mutation
+from .lower import LoweredGraph, check_inputs, lower
+from .runtime import XlaExecutable
+
+log = logging.getLogger("donate_xla")
+
+_warned_unusable: set[str] = set()
+
+
+def _num_user_outputs(kind: str) -> Optional[int]:
+    """For forward graphs: outputs at or past this index are saved for backward."""
+    if kind != "forward":
+        return None
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None)
+    return getattr(meta, "num_forward", None)
+
+
+def _role(roles: Sequence[str], num_inputs: int, index: int, kind: str) -> str:
+    if kind == "backward":
+        return "other"
+    if len(roles) == num_inputs:
+        return roles[index]
+    return "other"
+
+
+def choose_donors(gm, example_inputs, ctx, roles) -> tuple[list[int], list]:
+    """Split the overwritten inputs into donors and exclusions (with reasons)."""
+    candidates = mutation.mutated_input_indices(gm.graph)
+    host_scalars = set(check_inputs(example_inputs, ctx.name))
+    shared = aliasing.shared_storage_partner(example_inputs)
+    reaching = aliasing.inputs_reaching_outputs(gm.graph)
+    num_user_outputs = _num_user_outputs(ctx.kind)
+    reasons: dict[int, str] = {}
+    for i in candidates:
+        if i in host_scalars:
+            reasons[i] = aliasing.HOST_SCALAR
+        elif i in shared:
+            reasons[i] = shared[i]
+        elif i in reaching:
+            reasons[i] = aliasing.classify_output_use(reaching[i], num_user_outputs)
+    donors = [i for i in candidates if i not in reasons]
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    metas = [
+        n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+        for n in (output_node.args[0] if isinstance(output_node.args[0], (list, tuple)) else [output_node.args[0]])
+    ]
+    metas += [example_inputs[i] for i in candidates]  # each donor's own new value
+    for i in aliasing.outputs_without_slot(donors, example_inputs, metas):
+        reasons[i] = aliasing.NO_MATCHING_OUTPUT
+    donors = [i for i in donors if i not in reasons]
+    exclusions = [
+        report.InputExclusion(i, _role(roles, len(example_inputs), i, ctx.kind), reason)
+        for i, reason in sorted(reasons.items())
+    ]
+    _warn_unusable(ctx.name, exclusions)
+    return donors, exclusions
+
+
+def _warn_unusable(graph_name: str, exclusions) -> None:
+    unusable = [e.index for e in exclusions if e.reason == aliasing.NO_MATCHING_OUTPUT]
+    if unusable and graph_name not in _warned_unusable:
+        _warned_unusable.add(graph_name)
+        warnings.warn(
+            f"donate_xla: {graph_name}: some overwritten inputs could not be donated because "
+            f"no output can reuse their buffers: {unusable}",
+            stacklevel=2,
+        )
+
+
+def _donation_record(example_inputs, donors, roles, kind) -> list:
+    records = []
+    for i in donors:
+        t = example_inputs[i]
+        records.append(
+            report.InputDonation(
+                index=i,
+                role=_role(roles, len(example_inputs), i, kind),
+                shape=tuple(t.shape),
+                dtype=str(t.dtype).replace("torch.", ""),
+                nbytes=t.numel() * t.element_size(),
+            )
+        )
+    return records
+
+
+class SwitchAwareExecutable:
+    """Holds one ``XlaExecutable`` per switch setting; picks by ``config.cache_key()``."""
+
+    def __init__(self, build):
+        # An instance attribute: dynamo's disable() wrapper copies __dict__ only.
+        self._boxed_call = True
+        self._build = build
+        self._by_key: dict[tuple, XlaExecutable] = {}
+
+    def executable(self) -> XlaExecutable:
+        key = config.cache_key()
+        if key not in self._by_key:
+            self._by_key[key] = self._build()
+        return self._by_key[key]
+
+    def __call__(self, args):
+        return self.executable()(args)
+
+
+def compile_graph(gm, example_inputs, ctx):
+    example_inputs = list(example_inputs)
+    roles = tuple(getattr(ctx, "input_roles", ()) or ())
+    donors, exclusions = choose_donors(gm, example_inputs, ctx, roles)
+
+    def build() -> XlaExecutable:
+        settings = config.current()
+        active = donors if settings.donation else []
+
+        def relower(donate: bool) -> LoweredGraph:
+            return lower(gm, example_inputs, active if donate else [], ctx.name)
+
+        start = time.perf_counter()
+        lowered = relower(True)
+        seconds = time.perf_counter() - start
+        report.add(
+            report.GraphRecord(
+                graph_id=ctx.graph_id,
+                kind=ctx.kind,
+                device="xla",
+                path="xla",
+                num_inputs=len(example_inputs),
+                compile_seconds=seconds,
+                transfers_count=lowered.transfers.transfer_count,
+                transfers_bytes=int(lowered.transfers.outbound_bytes),
+                constants_uploaded=lowered.constants_uploaded,
+                donated=_donation_record(example_inputs, active, roles, ctx.kind),
+                excluded=list(exclusions),
+                donation_enabled=settings.donation,
+            )
+        )
+        return XlaExecutable(ctx.name, lowered, relower)
+
+    executable = SwitchAwareExecutable(build)
+    executable.executable()  # compile now, under the settings in force
+    return executable

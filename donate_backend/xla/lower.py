@@ -1,0 +1,242 @@
+"""Lowering: an FX graph and fake inputs -> compiled HLO in torch_xla's cache.
+
+The graph runs on placeholder tensors (no device data), so compiling sends no
+bytes to the device. Donor placeholders are flagged before the graph mutates
+them. The result, ``LoweredGraph``, says how to feed the HLO parameters and
+how to turn its results into the graph's outputs and input write-backs.
+Every placeholder-derived tensor is dropped before ``lower`` returns.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx
+import torch_xla
+
+from ..errors import UnsupportedGraphError
+from . import metrics
+from .placeholders import (
+    XLAC,
+    make_placeholder,
+    outside_fake_tracing,
+    seed_info_id,
+    tensor_id,
+    tracing_settings,
+)
+
+_HOST_READ_OPS = {
+    torch.ops.aten._local_scalar_dense.default: ".item() / a Python number read",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HloParam:
+    """Where one HLO parameter comes from at run time."""
+
+    kind: str  # "input", "seed" or "constant"
+    input_index: int = -1
+    constant: Optional[torch.Tensor] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSlot:
+    """One graph output: a computed result, an input, or a plain value."""
+
+    kind: str  # "result", "input" or "value"
+    index: int = -1
+    value: Any = None
+    to_host: bool = False  # a host scalar the graph computes on the device
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredGraph:
+    graph_hash: Optional[object]  # None: nothing to run on the device
+    params: tuple
+    writebacks: tuple  # (input index, result index)
+    outputs: tuple
+    donors: tuple
+    constants_uploaded: int
+    transfers: metrics.TransferSnapshot
+    hlo_text: Optional[str] = None
+
+
+def check_inputs(example_inputs: Sequence, graph_name: str) -> list[int]:
+    """Validate inputs; return indices of host (CPU) scalar tensors."""
+    host_scalars = []
+    for i, value in enumerate(example_inputs):
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise UnsupportedGraphError(
+                f"{graph_name}: input #{i} is a symbolic size ({value}); dynamic shapes are "
+                "not supported by donate_xla. Compile with torch.compile(..., dynamic=False) "
+                "or keep input shapes fixed (pad the last batch)."
+            )
+        if not isinstance(value, torch.Tensor):
+            continue
+        if any(isinstance(s, torch.SymInt) for s in value.shape):
+            raise UnsupportedGraphError(
+                f"{graph_name}: input #{i} has a dynamic shape {tuple(value.shape)}; dynamic "
+                "shapes are not supported by donate_xla. Use torch.compile(..., dynamic=False)."
+            )
+        if value.device.type == "xla":
+            continue
+        if value.device.type == "cpu" and value.numel() == 1 and value.dim() == 0:
+            host_scalars.append(i)
+            continue
+        raise UnsupportedGraphError(
+            f"{graph_name}: input #{i} is a {value.device.type} tensor of shape "
+            f"{tuple(value.shape)} in a graph on the XLA device. Move it to the XLA device "
+            "(tensor.to(torch_xla.device())) before calling the compiled function."
+        )
+    return host_scalars
+
+
+def _meta_device(node: torch.fx.Node) -> Optional[torch.device]:
+    val = node.meta.get("val")
+    return val.device if isinstance(val, torch.Tensor) else None
+
+
+class _PlaceholderTracer(torch.fx.Interpreter):
+    """Runs the graph on placeholders; host tensors are kept on the device."""
+
+    def __init__(self, gm: torch.fx.GraphModule, graph_name: str, device: torch.device):
+        super().__init__(gm, garbage_collect_values=True)
+        self.graph_name = graph_name
+        self.device = device
+        self.constants_uploaded = 0
+
+    def run_node(self, node: torch.fx.Node):
+        if node.op == "call_function":
+            self._reject_host_reads(node)
+        try:
+            return super().run_node(node)
+        except UnsupportedGraphError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - rethrown with the op's name
+            raise UnsupportedGraphError(
+                f"{self.graph_name}: op {node.target} (node {node.name!r}) could not be "
+                f"lowered to XLA: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}. "
+                "If torch_xla has no lowering for it, move that op outside the compiled "
+                "region (torch._dynamo.disable) or replace it with supported ops."
+            ) from exc
+
+    def _reject_host_reads(self, node: torch.fx.Node) -> None:
+        if node.target in _HOST_READ_OPS:
+            raise UnsupportedGraphError(
+                f"{self.graph_name}: node {node.name!r} reads device data on the host "
+                f"({_HOST_READ_OPS[node.target]}) inside the compiled graph. Move the read "
+                "out of the compiled function, or let dynamo break the graph there."
+            )
+        out_device = _meta_device(node)
+        if out_device is None or out_device.type != "cpu":
+            return
+        for arg in node.all_input_nodes:
+            arg_device = _meta_device(arg)
+            if arg_device is not None and arg_device.type == "xla":
+                raise UnsupportedGraphError(
+                    f"{self.graph_name}: node {node.name!r} ({node.target}) copies an XLA "
+                    "tensor to the host (.cpu() / .to('cpu')) inside the compiled graph. "
+                    "Do that after the compiled function returns."
+                )
+
+    def call_function(self, target, args, kwargs):
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
+            kwargs = {**kwargs, "device": self.device}
+        return super().call_function(target, args, kwargs)
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor) and value.device.type != "xla":
+            self.constants_uploaded += 1
+            value = value.to(self.device)
+        return value
+
+
+def _flatten_outputs(out) -> list:
+    if isinstance(out, (list, tuple)):
+        return list(out)
+    return [out]
+
+
+def lower(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence,
+    donors: Sequence[int],
+    graph_name: str,
+    keep_hlo_text: bool = False,
+) -> LoweredGraph:
+    """Trace ``gm`` on placeholders, compile it, and describe how to run it."""
+    host_scalars = set(check_inputs(example_inputs, graph_name))
+    device = torch_xla.device()
+    before = metrics.transfer_snapshot()
+    with outside_fake_tracing(), tracing_settings(donate=bool(donors)):
+        holders = [
+            make_placeholder(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t
+            for t in example_inputs
+        ]
+        for i in donors:
+            XLAC._set_buffer_donation(holders[i], True)
+        tracer = _PlaceholderTracer(gm, graph_name, device)
+        traced = _flatten_outputs(tracer.run(*holders))
+        lowered = _describe_and_compile(
+            gm, holders, traced, host_scalars, tuple(donors), keep_hlo_text
+        )
+        del traced, holders, tracer.env
+    transfers = metrics.transfer_snapshot().minus(before)
+    return dataclasses.replace(
+        lowered, transfers=transfers, constants_uploaded=tracer.constants_uploaded
+    )
+
+
+def _describe_and_compile(gm, holders, traced, host_scalars, donors, keep_hlo_text):
+    tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
+    index_of_holder = {id(holders[i]): i for i in tensor_inputs}
+    pending = XLAC._check_tensor_need_materialization([holders[i] for i in tensor_inputs])
+    mutated = [i for i, need in zip(tensor_inputs, pending) if need]
+
+    results: list[torch.Tensor] = []
+    result_index: dict[int, int] = {}
+
+    def add_result(t: torch.Tensor) -> int:
+        if id(t) not in result_index:
+            result_index[id(t)] = len(results)
+            results.append(t)
+        return result_index[id(t)]
+
+    writebacks = tuple((i, add_result(holders[i])) for i in mutated)
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    output_metas = _flatten_outputs(output_node.args[0])
+    slots = []
+    for value, meta_node in zip(traced, output_metas):
+        if isinstance(value, torch.Tensor) and id(value) in index_of_holder:
+            slots.append(OutputSlot("input", index_of_holder[id(value)]))
+        elif isinstance(value, torch.Tensor):
+            to_host = isinstance(meta_node, torch.fx.Node) and (
+                (_meta_device(meta_node) or torch.device("xla")).type == "cpu"
+            )
+            slots.append(OutputSlot("result", add_result(value), to_host=to_host))
+        else:
+            slots.append(OutputSlot("value", value=value))
+
+    if not results:
+        return LoweredGraph(None, (), writebacks, tuple(slots), (), 0, None)
+
+    graph_hash = XLAC._get_graph_hash(results)
+    param_ids, param_values = XLAC._get_tensors_xla_device_data_node(results)
+    holder_by_id = {tensor_id(holders[i]): i for i in tensor_inputs}
+    seed_id = seed_info_id()
+    params = []
+    for pid, value in zip(param_ids, param_values):
+        if pid in holder_by_id:
+            params.append(HloParam("input", input_index=holder_by_id[pid]))
+        elif pid == seed_id:
+            params.append(HloParam("seed"))
+        else:
+            params.append(HloParam("constant", constant=value))
+    hlo_text = XLAC._get_xla_tensors_hlo(results) if keep_hlo_text else None
+    XLAC._xla_warm_up_cache(results, [])
+    del param_values, results
+    return LoweredGraph(
+        graph_hash, tuple(params), writebacks, tuple(slots), donors, 0, None, hlo_text
+    )

@@ -1,0 +1,148 @@
+"""Running a lowered graph on real device buffers.
+
+``XlaExecutable`` is the callable aot_autograd receives. Per call it
+1. uploads host scalar inputs and makes inputs with pending lazy IR concrete,
+2. before donating, gives every live lazy alias of a donor its own buffer,
+3. runs the cached HLO with inputs in parameter order (recompiling if the
+   entry was evicted from torch_xla's cache),
+4. swaps the new buffers into the caller's tensors for in-place mutations
+   (bumping their version counters, as an in-place op would), and
+5. returns the outputs.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+
+from .lower import LoweredGraph
+from .placeholders import XLAC
+
+_CACHE_MISS_MARKERS = ("not found in the computation cache", "cached graph", "computation cache")
+
+_SEED_MUL = 7012063
+_SEED_ADD = 1012031
+
+
+def _fresh_seed_tensor(device: torch.device) -> torch.Tensor:
+    """The device's current base seed as a tensor; advances the device RNG."""
+    seed = XLAC._get_base_seed_as_tensor(str(device))
+    next_seed = (_SEED_ADD + XLAC._xla_get_rng_seed() * _SEED_MUL) % (2**64 - 1)
+    xm.set_rng_state(next_seed, str(device))
+    return seed
+
+
+def _materialize_pending(tensors: list[torch.Tensor]) -> None:
+    if not tensors:
+        return
+    flags = XLAC._check_tensor_need_materialization(tensors)
+    pending = [t for t, need in zip(tensors, flags) if need]
+    if pending:
+        XLAC._xla_sync_multi(pending, devices=[], wait=True, sync_xla_data=True)
+
+
+def _sync_live_aliases(device: torch.device) -> None:
+    """Give lazy clones/views that still read a donor's buffer buffers of their own."""
+    XLAC._xla_sync_live_tensors(str(device), [], True)
+
+
+def _is_cache_miss(exc: RuntimeError) -> bool:
+    text = str(exc).lower()
+    return any(marker in text for marker in _CACHE_MISS_MARKERS)
+
+
+def _donors_passed_twice(args: Sequence, donors: Sequence[int]) -> bool:
+    """A donor that is also passed at another position cannot be donated this call."""
+    ids = [id(a) for a in args if isinstance(a, torch.Tensor)]
+    return any(ids.count(id(args[i])) > 1 for i in donors)
+
+
+class XlaExecutable:
+    """A compiled graph; call it with the flat list of graph inputs (boxed)."""
+
+    _boxed_call = True
+
+    def __init__(
+        self,
+        graph_name: str,
+        lowered: LoweredGraph,
+        relower: Callable[[bool], LoweredGraph],
+    ):
+        self.graph_name = graph_name
+        self.lowered = lowered
+        self._relower = relower
+        self._without_donation: Optional[LoweredGraph] = None
+        self.device = torch_xla.device()
+
+    def __call__(self, args: list):
+        args = list(args)
+        lowered = self.lowered
+        if lowered.donors and _donors_passed_twice(args, lowered.donors):
+            lowered = self._plain_variant()
+        device_args = self._device_args(args, lowered)
+        results = self._run(lowered, device_args) if lowered.graph_hash is not None else []
+        self._write_back(args, device_args, lowered, results)
+        return [self._output(slot, args, results) for slot in lowered.outputs]
+
+    def _plain_variant(self) -> LoweredGraph:
+        if self._without_donation is None:
+            self._without_donation = self._relower(False)
+        return self._without_donation
+
+    def _device_args(self, args: list, lowered: LoweredGraph) -> list:
+        device_args = list(args)
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.device.type != "xla":
+                device_args[i] = a.to(self.device)
+        _materialize_pending([a for a in device_args if isinstance(a, torch.Tensor)])
+        if lowered.donors:
+            _sync_live_aliases(self.device)
+        return device_args
+
+    def _param_values(self, lowered: LoweredGraph, device_args: list) -> list:
+        values = []
+        for p in lowered.params:
+            if p.kind == "input":
+                values.append(device_args[p.input_index])
+            elif p.kind == "seed":
+                values.append(_fresh_seed_tensor(self.device))
+            else:
+                values.append(p.constant)
+        return values
+
+    def _run(self, lowered: LoweredGraph, device_args: list) -> list:
+        try:
+            return XLAC._run_cached_graph(lowered.graph_hash, self._param_values(lowered, device_args))
+        except RuntimeError as exc:
+            if not _is_cache_miss(exc):
+                raise
+        # Evicted from torch_xla's LRU cache: compile again (no data moves) and retry.
+        fresh = self._relower(bool(lowered.donors))
+        if lowered is self.lowered:
+            self.lowered = fresh
+        else:
+            self._without_donation = fresh
+        return XLAC._run_cached_graph(fresh.graph_hash, self._param_values(fresh, device_args))
+
+    @staticmethod
+    def _write_back(args: list, device_args: list, lowered: LoweredGraph, results: list) -> None:
+        for input_index, result_index in lowered.writebacks:
+            target = args[input_index]
+            new_value = results[result_index]
+            if target.device.type == "xla":
+                XLAC._replace_xla_tensor(target, new_value)
+            else:
+                with torch.no_grad():
+                    target.copy_(new_value.cpu())
+            torch.autograd.graph.increment_version(target)
+
+    @staticmethod
+    def _output(slot, args: list, results: list):
+        if slot.kind == "input":
+            return args[slot.index]
+        if slot.kind == "value":
+            return slot.value
+        value = results[slot.index]
+        return value.cpu() if slot.to_host else value
