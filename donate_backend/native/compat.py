@@ -11,6 +11,11 @@ directly. Every guard has a test that removes the API by monkeypatching
 - ``bw_donated_indices()``: aot_autograd's list of backward inputs that are
   saved tensors sharing no storage with a forward input, a user output or a
   backward output (``fw_metadata.bw_donated_idxs``). ``None`` when unknown.
+- ``lift_aot_donation_check()``: aot_autograd refuses a ``retain_graph``
+  backward once a backward with donated buffers was compiled (its check
+  assumes the compiled code always overwrites them). Our backward decides
+  per call (``free_saved``), so after reading the list we empty it in the
+  metadata, which turns that check off for this graph only.
 - ``as_boxed(fn)``: a function marked with ``_boxed_call``. In torch 2.13,
   ``GraphModule._boxed_call`` is read-only, so we never set it on a module;
   we always mark a plain function we own.
@@ -52,6 +57,16 @@ def bw_donated_indices() -> Optional[List[int]]:
     if indices is None:
         return None
     return [int(i) for i in indices]
+
+
+def lift_aot_donation_check() -> bool:
+    """Empty ``fw_metadata.bw_donated_idxs`` of the graph being compiled; True if done."""
+    context = current_tracing_context()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    if metadata is None or getattr(metadata, "bw_donated_idxs", None) is None:
+        return False
+    metadata.bw_donated_idxs = []
+    return True
 
 
 def current_tracing_context():
