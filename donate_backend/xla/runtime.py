@@ -2,7 +2,11 @@
 
 ``XlaExecutable`` is the callable aot_autograd receives. Per call it
 1. uploads host scalar inputs and makes inputs with pending lazy IR concrete,
-2. before donating, gives every live lazy alias of a donor its own buffer,
+2. before donating, gives every live lazy clone of a donor its own buffer, and
+   checks that each donor owns its buffer (a ``copy_`` from another tensor
+   shares one buffer between two tensors; torch_xla tags the buffer with the
+   tensor that owns it). A donor that does not own its buffer makes this call
+   run the non-donating variant,
 3. runs the cached HLO with inputs in parameter order (recompiling if the
    entry was evicted from torch_xla's cache),
 4. swaps the new buffers into the caller's tensors for in-place mutations
@@ -44,8 +48,19 @@ def _materialize_pending(tensors: list[torch.Tensor]) -> None:
 
 
 def _sync_live_aliases(device: torch.device) -> None:
-    """Give lazy clones/views that still read a donor's buffer buffers of their own."""
+    """Give lazy clones that still read a donor's buffer buffers of their own."""
     XLAC._xla_sync_live_tensors(str(device), [], True)
+
+
+def donors_owning_their_buffers(tensors: Sequence[torch.Tensor]) -> bool:
+    """True if each tensor's device data is tagged with its own tensor id.
+
+    torch_xla tags a shared buffer with the last tensor synced onto it, so a
+    tensor that copied another's buffer, or whose buffer was copied, fails this.
+    """
+    own_ids = [XLAC._xla_get_tensor_id(t) for t in tensors]
+    data_ids, _ = XLAC._get_tensors_xla_device_data_node(list(tensors))
+    return sorted(data_ids) == sorted(own_ids)
 
 
 def _is_cache_miss(exc: RuntimeError) -> bool:
@@ -75,13 +90,12 @@ class XlaExecutable:
         self._relower = relower
         self._without_donation: Optional[LoweredGraph] = None
         self.device = torch_xla.device()
+        self.calls_without_donation = 0  # calls where a donor shared its buffer
 
     def __call__(self, args: list):
         args = list(args)
-        lowered = self.lowered
-        if lowered.donors and _donors_passed_twice(args, lowered.donors):
-            lowered = self._plain_variant()
-        device_args = self._device_args(args, lowered)
+        device_args = self._device_args(args)
+        lowered = self._choose_variant(args, device_args)
         results = self._run(lowered, device_args) if lowered.graph_hash is not None else []
         self._write_back(args, device_args, lowered, results)
         return [self._output(slot, args, results) for slot in lowered.outputs]
@@ -91,15 +105,30 @@ class XlaExecutable:
             self._without_donation = self._relower(False)
         return self._without_donation
 
-    def _device_args(self, args: list, lowered: LoweredGraph) -> list:
+    def _device_args(self, args: list) -> list:
         device_args = list(args)
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and a.device.type != "xla":
                 device_args[i] = a.to(self.device)
         _materialize_pending([a for a in device_args if isinstance(a, torch.Tensor)])
-        if lowered.donors:
-            _sync_live_aliases(self.device)
         return device_args
+
+    def _choose_variant(self, args: list, device_args: list) -> LoweredGraph:
+        """The donating graph if every donor is safe to donate now, else the plain one."""
+        lowered = self.lowered
+        if not lowered.donors:
+            return lowered
+        donors = [device_args[i] for i in lowered.donors]
+        safe = not _donors_passed_twice(args, lowered.donors) and donors_owning_their_buffers(
+            donors
+        )
+        if safe:
+            _sync_live_aliases(self.device)
+            safe = donors_owning_their_buffers(donors)
+        if safe:
+            return lowered
+        self.calls_without_donation += 1
+        return self._plain_variant()
 
     def _param_values(self, lowered: LoweredGraph, device_args: list) -> list:
         values = []

@@ -1,0 +1,37 @@
+"""Shared test set-up: CPU PJRT, a fresh dynamo and report list per test."""
+import os
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import donate_backend  # noqa: E402
+
+
+def _has_torch_xla() -> bool:
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+HAS_TORCH_XLA = _has_torch_xla()
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_state():
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def xla_device():
+    if not HAS_TORCH_XLA:
+        pytest.skip("torch_xla is not installed")
+    import torch_xla
+
+    return torch_xla.device()
