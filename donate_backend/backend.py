@@ -27,6 +27,9 @@ class GraphContext:
     graph_id: int
     kind: str  # "forward", "backward" or "inference"
     input_roles: tuple = ()  # one role per dynamo input (see analysis.mutation)
+    # DDP (issue 5): a ``ddp.DDPGraphInfo`` when dynamo traced this graph inside a
+    # DistributedDataParallel forward (which inputs are its parameters), else None.
+    ddp: object = None
 
     @property
     def name(self) -> str:
@@ -49,9 +52,11 @@ def _path_module(device_type: str):
     return path
 
 
-def _kind_compiler(path_compile: Callable, graph_id: int, roles: tuple, kind: str) -> Callable:
+def _kind_compiler(
+    path_compile: Callable, graph_id: int, roles: tuple, kind: str, ddp=None
+) -> Callable:
     def compile_one(gm: torch.fx.GraphModule, example_inputs):
-        return path_compile(gm, list(example_inputs), GraphContext(graph_id, kind, roles))
+        return path_compile(gm, list(example_inputs), GraphContext(graph_id, kind, roles, ddp))
 
     return compile_one
 
@@ -59,9 +64,17 @@ def _kind_compiler(path_compile: Callable, graph_id: int, roles: tuple, kind: st
 def donate_xla(gm: torch.fx.GraphModule, example_inputs, **_options):
     """Dynamo backend entry point (registered as ``"donate_xla"``)."""
     graph_id = next(_graph_ids)
-    path = _path_module(graph_device_type(example_inputs))
+    device_type = graph_device_type(example_inputs)
+    path = _path_module(device_type)
     roles = dynamo_input_roles(gm, example_inputs)
-    make = functools.partial(_kind_compiler, path.compile_graph, graph_id, roles)
+    # DDP (issue 5): which inputs are the parameters of the DDP module being traced;
+    # must run here, inside the DDP forward, before aot_autograd.
+    ddp_info = None
+    if device_type == "native":
+        from . import ddp
+
+        ddp_info = ddp.capture(gm, example_inputs)
+    make = functools.partial(_kind_compiler, path.compile_graph, graph_id, roles, ddp=ddp_info)
     aot_options = dict(
         fw_compiler=make("forward"),
         bw_compiler=make("backward"),

@@ -1,0 +1,73 @@
+"""Per-DDP-module state: the reducer's bucket slots, learned from the comm hook.
+
+We do not allocate buckets of our own: DDP's reducer already holds one flat
+buffer per bucket (in DDP's bucket order and size cap), and a second set would
+double the gradient memory. Our comm hook sees each bucket's real buffer and
+its per-parameter views; we remember those views ("slots") and the compiled
+backward writes the next step's gradients straight into them.
+
+After DDP rebuilds its buckets (once, before the second step's forward), the
+remembered slots point into the old buffers; ``slots_current`` drops them and
+the hook learns the new ones at the end of that step.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+
+class DDPBucketState:
+    """What the backend knows about one DDP module's buckets."""
+
+    def __init__(self, ddp_module, process_group):
+        self._ddp = weakref.ref(ddp_module)
+        self.process_group = process_group
+        self.world_size = process_group.size()
+        self.params = list(ddp_module._module_parameters)
+        self._index_by_id = {id(p): i for i, p in enumerate(self.params)}
+        self._slots: dict[int, torch.Tensor] = {}
+        self._learned_with_rebuilt: Optional[bool] = None
+        self._lock = threading.Lock()
+        self.hook_registered = False
+        self.buckets_reduced = 0  # how many buckets our hook has all-reduced
+        self.slot_writes = 0  # gradients the compiled backward wrote into slots
+
+    def _rebuilt_flag(self) -> Optional[bool]:
+        ddp = self._ddp()
+        return None if ddp is None else bool(getattr(ddp, "_has_rebuilt_buckets", False))
+
+    def learn(self, bucket) -> None:
+        """Remember the slots of one ready bucket (called from the comm hook)."""
+        buffer = bucket.buffer()
+        storage_ptr = buffer.untyped_storage().data_ptr()
+        with self._lock:
+            self._learned_with_rebuilt = self._rebuilt_flag()
+            for param, view in zip(bucket.parameters(), bucket.gradients()):
+                index = self._index_by_id.get(id(param))
+                if index is None:
+                    continue
+                usable = (
+                    view.untyped_storage().data_ptr() == storage_ptr
+                    and view.shape == param.shape
+                    and view.dtype == param.dtype
+                    and view.stride() == param.stride()
+                )
+                if usable:
+                    self._slots[index] = view
+                else:
+                    self._slots.pop(index, None)
+
+    def slot(self, index: int) -> Optional[torch.Tensor]:
+        """The current slot of parameter ``index``, or None (not learned, or stale)."""
+        with self._lock:
+            if self._slots and self._learned_with_rebuilt != self._rebuilt_flag():
+                # DDP rebuilt its buckets since we learned: our views are stale.
+                self._slots.clear()
+            return self._slots.get(index)
+
+    def slot_count(self) -> int:
+        with self._lock:
+            return len(self._slots)
