@@ -1,0 +1,112 @@
+"""Each guard around a private torch API, with the API removed or changed by monkeypatching."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import donate_backend
+from donate_backend.native import compat, free_saved
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    yield
+    torch._dynamo.reset()
+
+
+def test_keep_graph_is_unknown_without_the_api(monkeypatch):
+    monkeypatch.delattr(torch._C._autograd, "_get_current_graph_task_keep_graph")
+    assert compat.keep_graph() is None
+    assert free_saved._may_reuse_saved_buffers() is False
+
+
+def test_keep_graph_is_unknown_when_the_api_raises(monkeypatch):
+    def raising():
+        raise RuntimeError("no current graph task")
+
+    monkeypatch.setattr(torch._C._autograd, "_get_current_graph_task_keep_graph", raising)
+    assert compat.keep_graph() is None
+
+
+def test_when_keep_graph_is_unknown_the_backward_never_reuses(monkeypatch):
+    # (aot_autograd itself calls the API, so it cannot be removed for a whole run.)
+    monkeypatch.setattr(compat, "keep_graph", lambda: None)
+    ran = []
+    real_call = free_saved.FreeingProgram.__call__
+
+    def spy(self, args):
+        ran.append(self.reusing is not None and free_saved._may_reuse_saved_buffers())
+        return real_call(self, args)
+
+    monkeypatch.setattr(free_saved.FreeingProgram, "__call__", spy)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    torch.compile(model, backend="donate_xla")(torch.randn(4, 8)).sum().backward()
+    assert False in ran and True not in ran
+
+
+def test_donated_indices_unknown_without_tracing_context_or_field(monkeypatch):
+    assert compat.bw_donated_indices() is None  # no TracingContext here
+
+    class Metadata:  # a torch whose fw_metadata lacks bw_donated_idxs
+        pass
+
+    class Context:
+        fw_metadata = Metadata()
+
+    monkeypatch.setattr(torch._guards.TracingContext, "try_get", staticmethod(lambda: Context()))
+    assert compat.bw_donated_indices() is None
+    assert compat.lift_aot_donation_check() is False
+    Context.fw_metadata.bw_donated_idxs = [1, 2]
+    assert compat.bw_donated_indices() == [1, 2]
+    assert compat.lift_aot_donation_check() is True
+    assert Context.fw_metadata.bw_donated_idxs == []
+
+
+def test_unknown_donated_indices_reuse_no_saved_buffer():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda a, b: (a * b).sum(), tracing_mode="fake")(torch.randn(4), torch.randn(4))
+    assert free_saved.donated_placeholders(gm.graph, None) == set()
+    program = free_saved.build_freeing(gm, "g", reuse_buffers=True, donated_indices=None)
+    assert program.buffers_reused == 0
+
+
+def test_as_boxed_refuses_a_module_and_marks_a_function():
+    gm = torch.fx.symbolic_trace(lambda a: a + 1)
+    with pytest.raises(TypeError, match="read-only"):
+        compat.as_boxed(gm)
+
+    def f(args):
+        return args
+
+    assert compat.as_boxed(f)._boxed_call is True
+
+
+def test_read_only_boxed_call_on_graph_module_does_not_matter(monkeypatch):
+    """torch 2.13 makes GraphModule._boxed_call read-only; we never set it."""
+    monkeypatch.setattr(
+        torch.fx.GraphModule, "_boxed_call", property(lambda self: False), raising=False
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.compile(model, backend="donate_xla")(x).sum().backward()
+    assert x.grad is not None
+
+
+def test_native_path_imports_without_torch_xla():
+    code = (
+        "import sys; sys.modules['torch_xla'] = None\n"
+        "import torch, donate_backend.native\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        "torch.compile(m, backend='donate_xla')(torch.randn(2, 4)).sum().backward()\n"
+        "assert 'torch_xla' not in [k for k, v in sys.modules.items() if v is not None]\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")
