@@ -26,6 +26,21 @@ from .placeholders import (
     tracing_settings,
 )
 
+_LOWERABLE_KEYS = ("XLA", "CompositeImplicitAutograd", "CompositeExplicitAutograd")
+
+
+def has_xla_lowering(op: torch._ops.OpOverload) -> bool:
+    """False for ATen ops torch_xla would run through its CPU fallback.
+
+    The fallback copies inputs to the host, which a placeholder cannot do
+    (it crashes the process), so such ops are rejected before they run.
+    """
+    if op.namespace != "aten":
+        return True
+    name = op.name()
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in _LOWERABLE_KEYS)
+
+
 _HOST_READ_OPS = {
     torch.ops.aten._local_scalar_dense.default: ".item() / a Python number read",
 }
@@ -109,6 +124,7 @@ class _PlaceholderTracer(torch.fx.Interpreter):
     def run_node(self, node: torch.fx.Node):
         if node.op == "call_function":
             self._reject_host_reads(node)
+            self._reject_unlowerable(node)
         try:
             return super().run_node(node)
         except UnsupportedGraphError:
@@ -120,6 +136,15 @@ class _PlaceholderTracer(torch.fx.Interpreter):
                 "If torch_xla has no lowering for it, move that op outside the compiled "
                 "region (torch._dynamo.disable) or replace it with supported ops."
             ) from exc
+
+    def _reject_unlowerable(self, node: torch.fx.Node) -> None:
+        if isinstance(node.target, torch._ops.OpOverload) and not has_xla_lowering(node.target):
+            raise UnsupportedGraphError(
+                f"{self.graph_name}: op {node.target} (node {node.name!r}) has no XLA lowering "
+                "in torch_xla, so it cannot be compiled for the XLA device. Move it outside "
+                "the compiled region (wrap it in torch._dynamo.disable) or replace it with "
+                "supported ops."
+            )
 
     def _reject_host_reads(self, node: torch.fx.Node) -> None:
         if node.target in _HOST_READ_OPS:

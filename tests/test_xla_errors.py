@@ -1,0 +1,77 @@
+"""Unsupported graphs fail with a clear error, never a crash or a wrong value."""
+import re
+
+import pytest
+import torch
+
+from conftest import HAS_TORCH_XLA
+
+pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+
+if HAS_TORCH_XLA:
+    from donate_backend.errors import UnsupportedGraphError
+    from donate_backend.xla.lower import has_xla_lowering, lower
+
+
+def test_op_without_xla_lowering_is_named(xla_device):
+    f = torch.compile(lambda t: torch.special.zeta(t * 2, t), backend="donate_xla")
+    with pytest.raises(Exception) as info:
+        f(torch.rand(8).to(xla_device) + 1)
+    message = str(info.value)
+    assert "UnsupportedGraphError" in message
+    assert "aten.special_zeta.default" in message
+    assert re.search(r"graph \d+ inference", message)
+    assert "no XLA lowering" in message and "torch._dynamo.disable" in message
+
+
+def test_lowering_check_knows_composites():
+    assert has_xla_lowering(torch.ops.aten.addmm.default)
+    assert has_xla_lowering(torch.ops.aten.linear.default)  # decomposes
+    assert has_xla_lowering(torch.ops.aten._native_batch_norm_legit_functional.default)
+    assert not has_xla_lowering(torch.ops.aten.histc.default)
+    assert not has_xla_lowering(torch.ops.aten.special_zeta.default)
+
+
+def test_host_copy_inside_graph_is_rejected(xla_device):
+    f = torch.compile(lambda t: (t * 2).sum().cpu() + 1, backend="donate_xla")
+    with pytest.raises(Exception) as info:
+        f(torch.randn(8).to(xla_device))
+    message = str(info.value)
+    assert "copies an XLA tensor to the host" in message
+    assert "aten._to_copy.default" in message
+    assert re.search(r"graph \d+ inference: node '_to_copy'", message)
+
+
+def test_item_read_in_graph_is_rejected(xla_device):
+    """A data-dependent read that reaches our graph (capture_scalar_outputs style)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    total = graph.call_function(torch.ops.aten.sum.default, (x,))
+    scalar = graph.call_function(torch.ops.aten._local_scalar_dense.default, (total,))
+    graph.output((scalar,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    with pytest.raises(UnsupportedGraphError, match=r"graph 7 inference: node '_local_scalar_dense\w*' .*\.item\(\)"):
+        lower(gm, [torch.randn(4).to(xla_device)], [], "graph 7 inference")
+
+
+def test_item_with_dynamo_graph_break_still_matches_eager(xla_device):
+    x = torch.randn(8).to(xla_device)
+    f = torch.compile(lambda t: t * t.sum().item(), backend="donate_xla")
+    torch.testing.assert_close(f(x).cpu(), (x * x.sum().item()).cpu())
+
+
+def test_dynamic_shapes_are_rejected_with_advice(xla_device):
+    f = torch.compile(lambda t: t * 2, backend="donate_xla", dynamic=True)
+    with pytest.raises(Exception) as info:
+        f(torch.randn(8).to(xla_device))
+    message = str(info.value)
+    assert "symbolic size" in message and "dynamic=False" in message
+
+
+def test_non_scalar_host_tensor_input_is_rejected(xla_device):
+    f = torch.compile(lambda a, b: a + b.to(a.device), backend="donate_xla")
+    with pytest.raises(Exception) as info:
+        f(torch.randn(4).to(xla_device), torch.randn(4))
+    # dynamo keeps the .to() in the graph: the host tensor is an input of an XLA graph
+    assert "cpu tensor of shape (4,)" in str(info.value)
+    assert "torch_xla.device()" in str(info.value)

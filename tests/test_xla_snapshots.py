@@ -1,0 +1,86 @@
+"""Snapshots of the stages: aot FX graphs, and the HLO with its donated parameters."""
+import expecttest
+import pytest
+import torch
+
+from conftest import HAS_TORCH_XLA
+
+if HAS_TORCH_XLA:
+    from donate_backend.xla.lower import lower
+    from xla_capture import capture_graphs, normalize_fx, normalize_hlo
+
+
+@pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+class TestSnapshots(expecttest.TestCase):
+    @pytest.fixture(autouse=True)
+    def _monkeypatch(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+
+    def test_aot_forward_and_backward_graphs(self):
+        import torch_xla
+
+        captured = capture_graphs(self.monkeypatch)
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(3, 2).to(torch_xla.device())
+        step = torch.compile(lambda x: torch.relu(layer(x)).sum(), backend="donate_xla")
+        step(torch.randn(4, 3).to(torch_xla.device())).backward()
+        forward, _ = captured["forward"]
+        backward, _ = captured["backward"]
+        self.assertExpectedInline(normalize_fx(forward.code), """\
+def forward(self, primals_1, primals_2, primals_3):
+    t = torch.ops.aten.t.default(primals_1);  primals_1 = None
+    addmm = torch.ops.aten.addmm.default(primals_2, primals_3, t);  primals_2 = t = None
+    relu = torch.ops.aten.relu.default(addmm);  addmm = None
+    sum_1 = torch.ops.aten.sum.default(relu)
+    return (sum_1, primals_3, relu)""")
+        self.assertExpectedInline(normalize_fx(backward.code), """\
+def forward(self, primals_3, relu, tangents_1):
+    detach = torch.ops.aten.detach.default(relu);  relu = None
+    detach_1 = torch.ops.aten.detach.default(detach);  detach = None
+    expand = torch.ops.aten.expand.default(tangents_1, [4, 2]);  tangents_1 = None
+    detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
+    detach_3 = torch.ops.aten.detach.default(detach_2);  detach_2 = None
+    threshold_backward = torch.ops.aten.threshold_backward.default(expand, detach_3, 0);  expand = detach_3 = None
+    t_1 = torch.ops.aten.t.default(threshold_backward)
+    mm = torch.ops.aten.mm.default(t_1, primals_3);  t_1 = primals_3 = None
+    t_2 = torch.ops.aten.t.default(mm);  mm = None
+    sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
+    view = torch.ops.aten.view.default(sum_2, [2]);  sum_2 = None
+    t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
+    return (t_3, view, None)""")
+
+    def test_functional_graph_and_hlo_of_an_sgd_update(self):
+        import torch_xla
+
+        captured = capture_graphs(self.monkeypatch)
+        device = torch_xla.device()
+        param, grad = torch.randn(4).to(device), torch.randn(4).to(device)
+
+        @torch.compile(backend="donate_xla")
+        def sgd(p, g):
+            with torch.no_grad():
+                p.add_(g, alpha=-0.5)
+
+        sgd(param, grad)
+        gm, inputs = captured["inference"]
+        lowered = lower(gm, inputs, donors=[0], graph_name="snapshot", keep_hlo_text=True)
+        self.assertExpectedInline(normalize_fx(gm.code), """\
+def forward(self, arg0_1, arg1_1):
+    mul = torch.ops.aten.mul.Tensor(arg1_1, -0.5);  arg1_1 = None
+    add = torch.ops.aten.add.Tensor(arg0_1, mul);  mul = None
+    copy_ = torch.ops.aten.copy_.default(arg0_1, add);  arg0_1 = add = copy_ = None
+    return ()""")
+        self.assertExpectedInline(normalize_hlo(lowered.hlo_text), """\
+HloModule IrToHlo, entry_computation_layout={(f32[4]{0}, f32[4]{0})->(f32[4]{0})}
+ENTRY %IrToHlo (p0: f32[4], p1: f32[4]) -> (f32[4]) {
+  %p1 = f32[4]{0} parameter(1)
+  %p0 = f32[4]{0} parameter(0)
+  %constant = f32[] constant(-0.5)
+  %broadcast = f32[4]{0} broadcast(f32[] %constant), dimensions={}
+  %multiply = f32[4]{0} multiply(f32[4]{0} %p0, f32[4]{0} %broadcast)
+  %constant = f32[] constant(1)
+  %broadcast = f32[4]{0} broadcast(f32[] %constant), dimensions={}
+  %multiply = f32[4]{0} multiply(f32[4]{0} %multiply, f32[4]{0} %broadcast)
+  %add = f32[4]{0} add(f32[4]{0} %p1, f32[4]{0} %multiply)
+  ROOT %tuple = (f32[4]{0}) tuple(f32[4]{0} %add)
+}""")
