@@ -24,7 +24,7 @@ import torch_xla.core.xla_model as xm
 from .lower import LoweredGraph
 from .placeholders import XLAC
 
-_CACHE_MISS_MARKERS = ("not found in the computation cache", "cached graph", "computation cache")
+_CACHE_MISS_MARKERS = ("failed to get computation by hash", "lru cache")
 
 _SEED_MUL = 7012063
 _SEED_ADD = 1012031
@@ -91,11 +91,13 @@ class XlaExecutable:
         self._without_donation: Optional[LoweredGraph] = None
         self.device = torch_xla.device()
         self.calls_without_donation = 0  # calls where a donor shared its buffer
+        self.last_call_donors = 0
 
     def __call__(self, args: list):
         args = list(args)
         device_args = self._device_args(args)
         lowered = self._choose_variant(args, device_args)
+        self.last_call_donors = len(lowered.donors)
         results = self._run(lowered, device_args) if lowered.graph_hash is not None else []
         self._write_back(args, device_args, lowered, results)
         return [self._output(slot, args, results) for slot in lowered.outputs]

@@ -1,0 +1,51 @@
+"""Switch parsing, patching and the printed report (no device needed)."""
+import pytest
+
+from donate_backend import config, report
+
+
+def test_defaults_are_on():
+    s = config.settings_from_env({})
+    assert (s.donation, s.free_saved, s.bucket_view, s.debug) == (True, True, True, False)
+    assert s.native_compiler == "aten"
+
+
+def test_env_parsing():
+    s = config.settings_from_env(
+        {"DONATE_XLA_DONATION": "0", "DONATE_XLA_DEBUG": "yes", "DONATE_XLA_NATIVE_COMPILER": "Inductor"}
+    )
+    assert s.donation is False and s.debug is True and s.native_compiler == "inductor"
+
+
+def test_bad_values_name_the_variable():
+    with pytest.raises(ValueError, match="DONATE_XLA_DONATION='maybe' is not a boolean"):
+        config.settings_from_env({"DONATE_XLA_DONATION": "maybe"})
+    with pytest.raises(ValueError, match="DONATE_XLA_NATIVE_COMPILER"):
+        config.settings_from_env({"DONATE_XLA_NATIVE_COMPILER": "tvm"})
+
+
+def test_patch_restores_and_changes_the_cache_key():
+    before = config.cache_key()
+    with config.patch(donation=not config.current().donation):
+        assert config.cache_key() != before
+    assert config.cache_key() == before
+
+
+def test_table_lists_every_graph():
+    records = [
+        report.GraphRecord(0, "forward", "xla", "xla", 3, compile_seconds=0.5),
+        report.GraphRecord(
+            0,
+            "inference",
+            "xla",
+            "xla",
+            2,
+            donated=[report.InputDonation(0, "parameter", (2, 2), "float32", 16)],
+        ),
+    ]
+    table = report.format_table(records)
+    lines = table.splitlines()
+    assert lines[0].split()[:4] == ["graph", "path", "device", "inputs"]
+    assert lines[2].startswith("graph 0 forward") and lines[3].startswith("graph 0 inference")
+    assert lines[3].split()[8] == "1"  # the donated column ("graph 0 inference" is 3 words)
+    assert "donated  #0   parameter" in report.format_record(records[1])

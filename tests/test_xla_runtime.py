@@ -1,0 +1,103 @@
+"""Runtime behaviour: cache eviction, switches, host scalars, logging."""
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import HAS_TORCH_XLA
+
+pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+
+if HAS_TORCH_XLA:
+    import donate_backend
+    from donate_backend import config
+    from donate_backend.xla import metrics as xla_metrics
+    from xla_models import CASES, train
+
+
+def test_evicted_graph_is_recompiled_not_crashed():
+    script = textwrap.dedent(
+        """
+        import torch, torch_xla, donate_backend
+        dev = torch_xla.device()
+        f = torch.compile(lambda t: t * 2 + 1, backend="donate_xla")
+        g = torch.compile(lambda t: t * 3 - 1, backend="donate_xla")
+        x = torch.randn(4).to(dev)
+        for _ in range(3):  # each call evicts the other graph from a 1-entry cache
+            assert torch.allclose(f(x).cpu(), x.cpu() * 2 + 1)
+            assert torch.allclose(g(x).cpu(), x.cpu() * 3 - 1)
+        assert torch_xla._XLAC._xla_get_num_cached_compilation_graph() == 1
+        print("OK", len(donate_backend.reports()))
+        """
+    )
+    env = dict(os.environ, XLA_COMPILATION_CACHE_SIZE="1", PJRT_DEVICE="CPU")
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "OK 2" in out.stdout  # two graphs compiled once each, recompiled silently
+
+
+def test_donation_switch_recompiles_and_turns_aliasing_off():
+    case = CASES["mlp_sgd_momentum"]
+    on = train(case, backend="donate_xla", steps=3)
+    records_on = donate_backend.reports()
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    before = xla_metrics.alias_count_total()
+    with config.patch(donation=False):
+        off = train(case, backend="donate_xla", steps=3)
+    after = xla_metrics.alias_count_total()
+    assert after[1] - before[1] == 0  # no buffer aliased while the switch is off
+    assert off.losses == on.losses
+    for a, b in zip(on.params, off.params):
+        assert torch.equal(a, b)
+    assert any(r.donated for r in records_on)
+    assert all(not r.donated and not r.donation_enabled for r in donate_backend.reports())
+
+
+def test_flipping_the_switch_on_a_compiled_function(xla_device):
+    p = torch.zeros(4).to(xla_device)
+
+    @torch.compile(backend="donate_xla")
+    def bump(t):
+        with torch.no_grad():
+            t.add_(1)
+
+    bump(p)
+    with config.patch(donation=False):
+        bump(p)  # same dynamo entry, other setting: a second lowering, no donors
+    bump(p)
+    assert torch.equal(p.cpu(), torch.full((4,), 3.0))
+    kinds = [(r.kind, len(r.donated), r.donation_enabled) for r in donate_backend.reports()]
+    assert kinds == [("inference", 1, True), ("inference", 0, False)]
+
+
+def test_host_scalar_step_counters_are_updated_and_not_donated(xla_device):
+    model = torch.nn.Linear(3, 2).to(xla_device)
+    opt = torch.optim.Adam(model.parameters())
+
+    @torch.compile(backend="donate_xla")
+    def step(x):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step(torch.randn(5, 3).to(xla_device))
+    steps = [s["step"] for s in opt.state.values()]
+    assert all(t.device.type == "cpu" and float(t) == 3.0 for t in steps)
+    (opt_record,) = [r for r in donate_backend.reports() if r.kind == "inference"]
+    host = [e for e in opt_record.excluded if "host (CPU) scalar" in e.reason]
+    assert len(host) == 2 and {e.role for e in host} == {"optimizer_state"}
+
+
+def test_debug_switch_logs_each_report(xla_device, caplog):
+    with config.patch(debug=True), caplog.at_level(logging.WARNING, logger="donate_xla"):
+        f = torch.compile(lambda t: t.sin(), backend="donate_xla")
+        f(torch.randn(3).to(xla_device))
+    assert any("donate_xla compiled graph" in m and "donation on" in m for m in caplog.messages)
