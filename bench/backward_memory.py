@@ -1,0 +1,159 @@
+"""Backward memory of the native path: peak above the pre-forward level, per variant.
+
+Models (fp32):
+  1. 8 x (Linear 2048 + GELU), batch 512
+  2. 8 x (Linear 1024 + GELU), batch 4096
+
+Variants, all in one run: eager, a plain FX aot backend (aot_autograd whose
+compiled functions take their arguments unpacked, so the backward holds every
+saved tensor to the end), donate_xla (native path, ATen executor), aot_eager
+and Inductor.
+
+Measure: gradients set to None, then one forward+backward; the peak of
+allocated bytes during it, minus the level before the forward.
+- CPU: the running sum of ``torch.profiler`` memory events (every c10
+  allocation and free, Inductor's CPU buffers included; a dispatch-mode
+  tracker cannot see those). For the non-Inductor variants the storage
+  tracker of tests/memtrack.py is printed as a cross-check.
+- CUDA (when available, ``--device cuda``): ``torch.cuda.max_memory_allocated``
+  after ``reset_peak_memory_stats``.
+Each variant is compiled and run once before it is measured.
+
+Usage: python bench/backward_memory.py [--device cpu|cuda] [--models 1,2]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import donate_backend  # noqa: E402  (registers the backend)
+from memtrack import StorageTracker, profiler_peak_bytes  # noqa: E402
+
+MIB = 2**20
+MODELS = {
+    "1": dict(width=2048, depth=8, batch=512),
+    "2": dict(width=1024, depth=8, batch=4096),
+}
+VARIANTS = ("eager", "plain_fx", "donate_xla", "aot_eager", "inductor")
+
+
+def make_model(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def plain_fx_backend():
+    """aot_autograd with unboxed FX graphs: arguments live until the graph returns."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def compile_plain(gm, _example_inputs):
+        return make_boxed_func(gm.forward)  # make_boxed_func frees nothing
+
+    return aot_autograd(fw_compiler=compile_plain, bw_compiler=compile_plain)
+
+
+def compiled(model: torch.nn.Module, variant: str):
+    if variant == "eager":
+        return model
+    backend = {
+        "plain_fx": plain_fx_backend(),
+        "donate_xla": "donate_xla",
+        "aot_eager": "aot_eager",
+        "inductor": "inductor",
+    }[variant]
+    return torch.compile(model, backend=backend)
+
+
+def step(model, run, x) -> None:
+    run(x).sum().backward()
+
+
+def measure(variant: str, spec: dict, device: str) -> dict:
+    torch._dynamo.reset()
+    model = make_model(spec["width"], spec["depth"]).to(device)
+    x = torch.randn(spec["batch"], spec["width"], device=device)
+    run = compiled(model, variant)
+    step(model, run, x)  # compile and warm up outside the measurement
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    result = {}
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(model, run, x)
+        torch.cuda.synchronize()
+        result["peak"] = torch.cuda.max_memory_allocated() - before
+        return result
+    result["peak"] = profiler_peak_bytes(lambda: step(model, run, x))
+    if variant != "inductor":
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        tracker = StorageTracker()
+        with tracker:
+            step(model, run, x)
+        result["tracker"] = tracker.peak_bytes
+    return result
+
+
+def report_model(name: str, spec: dict, device: str) -> dict:
+    print(
+        f"\nmodel {name}: {spec['depth']} x (Linear {spec['width']} + GELU), "
+        f"batch {spec['batch']}, fp32, {device}"
+    )
+    peaks = {}
+    for variant in VARIANTS:
+        result = measure(variant, spec, device)
+        peaks[variant] = result["peak"]
+        cross = f"   (storage tracker {result['tracker'] / MIB:7.1f})" if "tracker" in result else ""
+        print(f"  {variant:<11} backward peak above pre-forward: {result['peak'] / MIB:7.1f} MiB{cross}")
+    ours = peaks["donate_xla"]
+    print("  ratios donate_xla / other: " + ", ".join(
+        f"{v} {ours / peaks[v]:.2f}x" for v in VARIANTS if v != "donate_xla"
+    ))
+    return peaks
+
+
+def check_targets(peaks: dict) -> list:
+    """The issue's targets; returns failures as text."""
+    failures = []
+    if "1" in peaks:
+        p = peaks["1"]
+        if p["donate_xla"] > 0.7 * p["plain_fx"]:
+            failures.append("model 1: donate_xla > 0.7x plain FX")
+    for name, p in peaks.items():
+        if p["donate_xla"] > p["eager"]:
+            failures.append(f"model {name}: donate_xla > eager")
+    if "2" in peaks and peaks["2"]["donate_xla"] > peaks["2"]["inductor"]:
+        failures.append("model 2: donate_xla > 1.0x Inductor")
+    return failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--device", default=default_device, choices=("cpu", "cuda"))
+    parser.add_argument("--models", default="1,2")
+    options = parser.parse_args()
+    print(f"torch {torch.__version__}; measure: "
+          + ("cuda max_memory_allocated" if options.device == "cuda" else "profiler memory events"))
+    peaks = {name: report_model(name, MODELS[name], options.device) for name in options.models.split(",")}
+    failures = check_targets(peaks)
+    print("\ntargets: " + ("all met" if not failures else "; ".join(failures)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
