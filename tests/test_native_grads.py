@@ -168,3 +168,17 @@ def test_inductor_executor_matches_eager():
         run_both("mlp", steps=1)
     backward = [r for r in donate_backend.reports() if r.kind == "backward"]
     assert backward and backward[0].saved_freed_early > 0
+
+
+def test_inference_graph_with_input_mutation_matches_eager():
+    def update(buffer, x):
+        buffer.add_(x)  # kept in the graph as a copy_ (keep_inference_input_mutations)
+        return (buffer * 2).sum()
+
+    buffer_e, buffer_c, x = torch.zeros(4), torch.zeros(4), torch.randn(4)
+    with torch.no_grad():
+        expected = update(buffer_e, x)
+        got = torch.compile(update, backend="donate_xla")(buffer_c, x)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(buffer_c, buffer_e)
+    assert [r.kind for r in donate_backend.reports()] == ["inference"]
