@@ -103,7 +103,7 @@ def _train(compiled: bool, rank: int, scenario: str, steps: int = 3, **ddp_kwarg
     model, ddp, runner = _make_ddp(compiled, scenario, **ddp_kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = _batches(rank, steps * 2)
-    snapshots, in_buckets, slot_writes = [], [], []
+    snapshots, in_buckets, slot_writes, out_writes = [], [], [], []
     for step in range(steps):
         if scenario == "no_sync":
             with ddp.no_sync():
@@ -120,10 +120,15 @@ def _train(compiled: bool, rank: int, scenario: str, steps: int = 3, **ddp_kwarg
             state = ddp_path.state_for(ddp)
             in_buckets.append(state is not None and _grads_in_buckets(ddp))
             slot_writes.append(0 if state is None else state.slot_writes)
+            out_writes.append(0 if state is None else state.out_writes)
         opt.step()
         opt.zero_grad(set_to_none=(scenario != "zero_grad_keep"))
     snapshots.append(_snapshot(model))
-    return snapshots, {"in_buckets": in_buckets, "slot_writes": slot_writes}
+    return snapshots, {
+        "in_buckets": in_buckets,
+        "slot_writes": slot_writes,
+        "out_writes": out_writes,
+    }
 
 
 def _compare(eager, compiled) -> list:

@@ -68,7 +68,7 @@ def run_scenario(scenario: str, ddp_kwargs=None, settings=None) -> dict:
     return collected[0]
 
 
-def assert_equal_and_aliased(result: dict, steady_writes: int) -> None:
+def assert_equal_and_aliased(result: dict, steady_writes: int, steady_out=0) -> None:
     assert result["problems"] == [], result["problems"]
     # After the first step every param.grad lies inside its bucket's storage.
     assert all(result["in_buckets"]), result["in_buckets"]
@@ -76,12 +76,15 @@ def assert_equal_and_aliased(result: dict, steady_writes: int) -> None:
     # the compiled backward wrote every gradient straight into its slot.
     writes = result["slot_writes"]
     assert writes[-1] - writes[-2] == steady_writes, writes
+    # Of those, weight gradients (mm) were computed straight into the slot (out=).
+    outs = result["out_writes"]
+    assert outs[-1] - outs[-2] == steady_out, outs
 
 
 @pytest.mark.parametrize("gradient_as_bucket_view", [True, False])
 def test_three_sgd_steps_bitwise_equal_eager_ddp(gradient_as_bucket_view):
     result = run_scenario("plain", {"gradient_as_bucket_view": gradient_as_bucket_view})
-    assert_equal_and_aliased(result, steady_writes=8)
+    assert_equal_and_aliased(result, steady_writes=8, steady_out=4)
     # DDPOptimizer split the graph at bucket boundaries (1 MiB cap): one graph per layer.
     assert result["bucket_grads"] == [2, 2, 2, 2]
     assert result["bucket_bytes"] == [(512 * 512 + 512) * 4] * 4
@@ -90,7 +93,8 @@ def test_three_sgd_steps_bitwise_equal_eager_ddp(gradient_as_bucket_view):
 
 def test_no_sync_accumulates_into_slots():
     result = run_scenario("no_sync")
-    assert_equal_and_aliased(result, steady_writes=16)
+    # The first backward of a step writes fresh (out=), the second adds.
+    assert_equal_and_aliased(result, steady_writes=16, steady_out=4)
 
 
 def test_unused_parameters():
@@ -102,7 +106,8 @@ def test_unused_parameters():
 
 def test_zero_grad_without_set_to_none():
     result = run_scenario("zero_grad_keep")
-    assert_equal_and_aliased(result, steady_writes=8)
+    # param.grad is kept (zeroed), so gradients are added into the slot: no out=.
+    assert_equal_and_aliased(result, steady_writes=8, steady_out=0)
 
 
 def test_comm_hook_falls_back_and_logs_reason():

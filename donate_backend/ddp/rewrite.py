@@ -29,11 +29,41 @@ class GradWriter:
         self.state = state
         self.param_index = param_index
         self.writes = 0
+        self._written_by_out = False  # set by mm_into_slot, consumed by write
 
     def __repr__(self) -> str:
         return f"GradWriter(param={self.param_index})"
 
+    def fresh_slot(self, shape, dtype, device):
+        """The slot, when the next gradient may be computed straight into it (out=)."""
+        if not config.current().bucket_view or torch.is_grad_enabled():
+            return None
+        param = self.state.params[self.param_index]
+        if param.grad is not None or getattr(param, "_backward_hooks", None):
+            return None  # accumulation or a hook: compute a temporary, then ``write``
+        slot = self.state.slot(self.param_index)
+        if slot is None or slot.shape != shape or slot.dtype != dtype or slot.device != device:
+            return None
+        return slot
+
+    def wrote_by_out(self, slot) -> None:
+        param = self.state.params[self.param_index]
+        param.grad = slot
+        self._written_by_out = True
+
     def write(self, grad):
+        if self._written_by_out:
+            self._written_by_out = False
+            slot = self.state.slot(self.param_index)
+            if slot is not None and grad is not None and _is_view_of(grad, slot):
+                self.writes += 1
+                self.state.slot_writes += 1
+                self.state.out_writes += 1
+                return None
+            raise AssertionError(
+                "donate_xla: a gradient computed into its DDP slot was changed before "
+                "the graph returned it; please report this"
+            )
         if grad is None or not config.current().bucket_view or torch.is_grad_enabled():
             return grad
         param = self.state.params[self.param_index]
@@ -81,11 +111,53 @@ def write_grad(writer: GradWriter, grad):
     return writer.write(grad)
 
 
+def mm_into_slot(writer: GradWriter, a, b):
+    """``aten.mm(a, b)``, computed straight into the slot (``out=``) when it may be."""
+    slot = writer.fresh_slot((a.shape[0], b.shape[1]), a.dtype, a.device)
+    if slot is None or not slot.is_contiguous():
+        return torch.ops.aten.mm.default(a, b)
+    torch.ops.aten.mm.out(a, b, out=slot)
+    writer.wrote_by_out(slot)
+    return slot
+
+
+_TRANSPOSES = (torch.ops.aten.t.default,)
+
+
+def _mm_producer(grad_node: torch.fx.Node, allowed_users: set):
+    """The ``aten.mm`` whose result the gradient is, through an even number of
+    ``aten.t``, else None. Every node of the chain must have no other user (the
+    gradient itself only ``allowed_users``), so nothing else ever reads or
+    reuses the slot's memory inside the graph."""
+    node, flips = grad_node, 0
+    while True:
+        users = set(node.users)
+        if (node is grad_node and not users <= allowed_users) or (
+            node is not grad_node and len(users) != 1
+        ):
+            return None
+        if node.op == "call_function" and node.target in _TRANSPOSES:
+            node, flips = node.args[0], flips + 1
+            continue
+        break
+    if flips % 2 or node.op != "call_function" or node.target != torch.ops.aten.mm.default:
+        return None
+    return node
+
+
+def _last_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return placeholders[-1] if placeholders else next(iter(graph.nodes))
+
+
 def _anchor(graph: torch.fx.Graph, producer: torch.fx.Node) -> torch.fx.Node:
-    """Insert right after the producer (after the last placeholder for inputs)."""
+    """Insert right after the producer (after the writers, for graph inputs)."""
     if producer.op != "placeholder":
         return producer
-    return [n for n in graph.nodes if n.op == "placeholder"][-1]
+    last = _last_placeholder(graph)
+    while last.next.op == "get_attr":
+        last = last.next
+    return last
 
 
 def rewrite_backward(gm: torch.fx.GraphModule, targets, state: DDPBucketState) -> list:
@@ -96,20 +168,38 @@ def rewrite_backward(gm: torch.fx.GraphModule, targets, state: DDPBucketState) -
     graph = gm.graph
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     outputs = list(output_node.args[0])
-    routed = []
+    routed, out_variants = [], 0
     for position, param_index in targets:
         grad_node = outputs[position]
         attr = f"_donate_ddp_writer_{position}"
         setattr(gm, attr, GradWriter(state, param_index))
-        with graph.inserting_after(_anchor(graph, grad_node)), warnings.catch_warnings():
+        # The writer is fetched at the top of the graph, so that it is defined
+        # before the gradient's producer as well (see ``_compute_into_slot``).
+        with graph.inserting_after(_last_placeholder(graph)), warnings.catch_warnings():
             # FX warns that a get_attr target is not a module/parameter/buffer;
             # a plain Python attribute is what we want here.
             warnings.simplefilter("ignore", UserWarning)
             writer_node = graph.get_attr(attr)
-        with graph.inserting_after(writer_node):
+        with graph.inserting_after(_anchor(graph, grad_node)):
             outputs[position] = graph.call_function(write_grad, (writer_node, grad_node))
+        producer = _mm_producer(grad_node, {output_node, outputs[position]})
+        if producer is not None:
+            _compute_into_slot(graph, producer, writer_node)
+            out_variants += 1
         routed.append(param_index)
     output_node.args = (tuple(outputs),) + tuple(output_node.args[1:])
     graph.lint()
     gm.recompile()
+    gm.meta["donate_ddp_out_variants"] = out_variants
     return routed
+
+
+def _compute_into_slot(graph: torch.fx.Graph, mm_node: torch.fx.Node, writer_node) -> None:
+    """Replace ``mm(a, b)`` by ``mm_into_slot(writer, a, b)`` (writer defined first)."""
+    a, b = mm_node.args
+    with graph.inserting_after(mm_node):
+        replacement = graph.call_function(mm_into_slot, (writer_node, a, b))
+    replacement.meta = dict(mm_node.meta)
+    mm_node.replace_all_uses_with(replacement)
+    graph.erase_node(mm_node)
+

@@ -34,6 +34,7 @@ class DDPBucketState:
         self.hook_registered = False
         self.buckets_reduced = 0  # how many buckets our hook has all-reduced
         self.slot_writes = 0  # gradients the compiled backward wrote into slots
+        self.out_writes = 0  # of those, computed straight into the slot (mm out=)
 
     def _rebuilt_flag(self) -> Optional[bool]:
         ddp = self._ddp()
