@@ -66,6 +66,7 @@ def donate_xla(gm: torch.fx.GraphModule, example_inputs, **_options):
     graph_id = next(_graph_ids)
     device_type = graph_device_type(example_inputs)
     path = _path_module(device_type)
+    path.check_dynamo_graph(gm, example_inputs, graph_id)
     roles = dynamo_input_roles(gm, example_inputs)
     # DDP (issue 5): which inputs are the parameters of the DDP module being traced;
     # must run here, inside the DDP forward, before aot_autograd.

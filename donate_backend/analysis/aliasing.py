@@ -111,3 +111,45 @@ def classify_output_use(
     if num_user_outputs is not None and all(p >= num_user_outputs for p in positions):
         return SAVED_FOR_BACKWARD
     return RETURNED
+
+
+def _is_inplace_call(node: torch.fx.Node) -> bool:
+    """A dynamo-level node that writes its first argument (``x.add_``, ``x += y``)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        if name.startswith("i") and getattr(node.target, "__module__", "") in ("_operator", "operator"):
+            return True
+        if isinstance(node.target, torch._ops.OpOverload):
+            args = node.target._schema.arguments
+            return bool(args) and args[0].is_write
+        return name.endswith("_") and not name.endswith("__")
+    return False
+
+
+def overlapping_inputs_written(gm: torch.fx.GraphModule) -> list[tuple[int, int]]:
+    """Pairs of distinct inputs that share storage, where the graph writes to one of them.
+
+    Works on dynamo's graph (before aot_autograd): its nodes carry fake values
+    in ``meta["example_value"]``, whose storages mirror the real inputs' sharing.
+    """
+    partners = collections.defaultdict(list)
+    for i, node in enumerate(placeholders(gm.graph)):
+        t = node.meta.get("example_value")
+        if isinstance(t, torch.Tensor):
+            key = _storage_key(t)
+            if key is not None:
+                partners[key].append(i)
+    shared = {key: group for key, group in partners.items() if len(group) > 1}
+    if not shared:
+        return []
+    written = set()
+    for node in gm.graph.nodes:
+        if not _is_inplace_call(node) or not node.args:
+            continue
+        target = node.args[0]
+        value = target.meta.get("example_value") if isinstance(target, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor) and _storage_key(value) in shared:
+            written.add(_storage_key(value))
+    return [tuple(shared[key][:2]) for key in written]

@@ -65,6 +65,14 @@ def input_role(source_name: Optional[str], is_parameter: bool) -> str:
     return "other"
 
 
+def _source_name(source) -> Optional[str]:
+    """``Source.name`` is a method on torch 2.9 and a property on newer releases."""
+    if source is None:
+        return None
+    name = source.name
+    return name() if callable(name) else name
+
+
 def dynamo_input_roles(gm: torch.fx.GraphModule, example_inputs: Sequence) -> tuple[str, ...]:
     """One role per aot_autograd flat input, from the names dynamo recorded.
 
@@ -76,6 +84,6 @@ def dynamo_input_roles(gm: torch.fx.GraphModule, example_inputs: Sequence) -> tu
     for node, value in zip(placeholders(gm.graph), example_inputs):
         grapharg = node.meta.get("grapharg")
         source = getattr(grapharg, "source", None)
-        source_name = source.name() if source is not None else None
+        source_name = _source_name(source)
         roles.append(input_role(source_name, isinstance(value, torch.nn.Parameter)))
     return tuple(roles)

@@ -1,6 +1,8 @@
 """XLA path: abstract lowering with automatic buffer donation (needs torch_xla)."""
 from __future__ import annotations
 
+from ..analysis.aliasing import overlapping_inputs_written
+from ..errors import UnsupportedGraphError
 from .compiler import compile_graph
 
 
@@ -8,4 +10,21 @@ def aot_options() -> dict:
     return {}
 
 
-__all__ = ["compile_graph", "aot_options"]
+def check_dynamo_graph(gm, example_inputs, graph_id: int) -> None:
+    """Refuse graphs that torch/torch_xla would compute wrongly, before tracing them.
+
+    Writing to one of two overlapping views of a tensor needs aot_autograd's
+    synthetic bases, which give wrong values for XLA tensors on torch 2.9 /
+    torch_xla 2.9 (``aot_eager`` included), so it is an error rather than a
+    silently wrong result.
+    """
+    for first, second in overlapping_inputs_written(gm):
+        raise UnsupportedGraphError(
+            f"graph {graph_id}: inputs #{first} and #{second} are views of one XLA tensor and "
+            "the graph writes to them in place. aot_autograd cannot handle that correctly for "
+            "XLA tensors (torch 2.9 / torch_xla 2.9). Pass the base tensor and slice it inside "
+            "the compiled function, or .clone() one of the views before the call."
+        )
+
+
+__all__ = ["compile_graph", "aot_options", "check_dynamo_graph"]

@@ -75,6 +75,7 @@ class LoweredGraph:
     constants_uploaded: int
     transfers: metrics.TransferSnapshot
     hlo_text: Optional[str] = None
+    aliased: int = 0  # InputOutputAliasCount torch_xla recorded when compiling
 
 
 def check_inputs(example_inputs: Sequence, graph_name: str) -> list[int]:
@@ -260,8 +261,10 @@ def _describe_and_compile(gm, holders, traced, host_scalars, donors, keep_hlo_te
         else:
             params.append(HloParam("constant", constant=value))
     hlo_text = XLAC._get_xla_tensors_hlo(results) if keep_hlo_text else None
+    aliases_before = metrics.alias_count_total()[1]
     XLAC._xla_warm_up_cache(results, [])
+    aliased = int(metrics.alias_count_total()[1] - aliases_before)
     del param_values, results
     return LoweredGraph(
-        graph_hash, tuple(params), writebacks, tuple(slots), donors, 0, None, hlo_text
+        graph_hash, tuple(params), writebacks, tuple(slots), donors, 0, None, hlo_text, aliased
     )

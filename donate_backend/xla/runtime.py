@@ -91,13 +91,13 @@ class XlaExecutable:
         self._without_donation: Optional[LoweredGraph] = None
         self.device = torch_xla.device()
         self.calls_without_donation = 0  # calls where a donor shared its buffer
-        self.last_call_donors = 0
+        self.last_call: Optional[LoweredGraph] = None  # the variant the last call ran
 
     def __call__(self, args: list):
         args = list(args)
         device_args = self._device_args(args)
         lowered = self._choose_variant(args, device_args)
-        self.last_call_donors = len(lowered.donors)
+        self.last_call = lowered
         results = self._run(lowered, device_args) if lowered.graph_hash is not None else []
         self._write_back(args, device_args, lowered, results)
         return [self._output(slot, args, results) for slot in lowered.outputs]
