@@ -25,7 +25,11 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
 
-    def forward(self, x, use_last: bool = True):
+    def forward(self, x, use_last: bool = True, graph_break: bool = False):
+        if graph_break:  # two dynamo graphs: layers 0-1, then layers 2-3
+            x = torch.relu(self.layers[1](torch.relu(self.layers[0](x))))
+            torch._dynamo.graph_break()
+            return torch.relu(self.layers[3](torch.relu(self.layers[2](x))))
         layers = self.layers if use_last else self.layers[:-1]
         for layer in layers:
             x = torch.relu(layer(x))
@@ -57,7 +61,9 @@ def _batches(rank: int, steps: int, batch: int = 4, width: int = WIDTH):
 def _make_ddp(compiled: bool, scenario: str, **ddp_kwargs):
     torch.manual_seed(0)
     model = MLP()
-    ddp = DDP(model, bucket_cap_mb=1, **ddp_kwargs)
+    ddp = DDP(model, bucket_cap_mb=25 if scenario == "graph_break" else 1, **ddp_kwargs)
+    if scenario == "param_hook":
+        model.layers[0].weight.register_hook(lambda grad: grad * 2)
     if scenario == "comm_hook":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -98,12 +104,18 @@ def _grads_in_buckets(ddp) -> bool:
     return True
 
 
+def _bucket_sizes(ddp) -> str:
+    """DDP's own record of its (rebuilt, when it rebuilt) bucket sizes."""
+    data = ddp._get_ddp_logging_data()
+    return data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")
+
+
 def _train(compiled: bool, rank: int, scenario: str, steps: int = 3, **ddp_kwargs):
     """Run ``steps`` SGD steps of one scenario; return snapshots after each step."""
     model, ddp, runner = _make_ddp(compiled, scenario, **ddp_kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = _batches(rank, steps * 2)
-    snapshots, in_buckets, slot_writes, out_writes = [], [], [], []
+    snapshots, in_buckets, slot_writes, out_writes, reduced = [], [], [], [], []
     for step in range(steps):
         if scenario == "no_sync":
             with ddp.no_sync():
@@ -111,6 +123,8 @@ def _train(compiled: bool, rank: int, scenario: str, steps: int = 3, **ddp_kwarg
             runner(data[2 * step + 1]).sum().backward()
         elif scenario == "unused":
             runner(data[step], use_last=(step != 1)).sum().backward()
+        elif scenario == "graph_break":
+            runner(data[step], graph_break=True).sum().backward()
         else:
             runner(data[step]).sum().backward()
         snapshots.append(_snapshot(model))
@@ -121,6 +135,7 @@ def _train(compiled: bool, rank: int, scenario: str, steps: int = 3, **ddp_kwarg
             in_buckets.append(state is not None and _grads_in_buckets(ddp))
             slot_writes.append(0 if state is None else state.slot_writes)
             out_writes.append(0 if state is None else state.out_writes)
+            reduced.append(0 if state is None else state.buckets_reduced)
         opt.step()
         opt.zero_grad(set_to_none=(scenario != "zero_grad_keep"))
     snapshots.append(_snapshot(model))
@@ -128,6 +143,8 @@ def _train(compiled: bool, rank: int, scenario: str, steps: int = 3, **ddp_kwarg
         "in_buckets": in_buckets,
         "slot_writes": slot_writes,
         "out_writes": out_writes,
+        "buckets_reduced": reduced,
+        "bucket_sizes": _bucket_sizes(ddp),
     }
 
 

@@ -110,6 +110,27 @@ def test_zero_grad_without_set_to_none():
     assert_equal_and_aliased(result, steady_writes=8, steady_out=0)
 
 
+def test_bucket_written_by_several_graphs_is_reduced_once():
+    result = run_scenario("graph_break")
+    assert_equal_and_aliased(result, steady_writes=8, steady_out=4)
+    assert result["bucket_sizes"] == str((512 * 512 + 512) * 4 * 4)  # one bucket...
+    assert len(result["bucket_grads"]) == 4  # ...written by four backward graphs
+    reduced = result["buckets_reduced"]
+    assert reduced[-1] - reduced[-2] == 1, reduced  # and all-reduced once per step
+
+
+def test_gradient_hook_keeps_that_parameter_on_ddp_path():
+    result = run_scenario("param_hook")  # layers[0].weight doubles its gradient
+    assert result["problems"] == [], result["problems"]
+    assert all(result["in_buckets"])
+    writes = result["slot_writes"]
+    assert writes[-1] - writes[-2] == 7, writes
+    assert result["logs"] == [
+        "donate_xla: DDP parameter #0 keeps DDP's normal path: a gradient hook is "
+        "registered on the parameter (it may replace the gradient)"
+    ]
+
+
 def test_comm_hook_falls_back_and_logs_reason():
     result = run_scenario("comm_hook")
     assert result["problems"] == [], result["problems"]
