@@ -60,10 +60,9 @@ class GradWriter:
                 self.state.slot_writes += 1
                 self.state.out_writes += 1
                 return None
-            raise AssertionError(
-                "donate_xla: a gradient computed into its DDP slot was changed before "
-                "the graph returned it; please report this"
-            )
+            # Only a backward aborted between ``mm_into_slot`` and here leaves the
+            # flag set with another gradient: ``param.grad`` then holds what that
+            # run wrote, and this gradient is accumulated onto it as eager would.
         if grad is None or not config.current().bucket_view or torch.is_grad_enabled():
             return grad
         param = self.state.params[self.param_index]
