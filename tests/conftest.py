@@ -10,6 +10,8 @@ import donate_backend  # noqa: E402
 
 
 def _has_torch_xla() -> bool:
+    # Imported before any test runs autograd: torch_xla registers its device with
+    # the autograd engine, which fails once the engine has started.
     try:
         import torch_xla  # noqa: F401
     except ImportError:

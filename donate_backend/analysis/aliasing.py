@@ -59,26 +59,32 @@ def shared_storage_partner(example_inputs: Sequence) -> dict[int, str]:
 
 
 def _is_view_op(node: torch.fx.Node) -> bool:
+    """Returns a view of its input (``Tensor(a)``); in-place ops (``Tensor(a!)``) return
+    the written, i.e. new, value and are not views of the old one."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    schema = target._schema
-    return bool(schema.returns) and any(r.alias_info is not None for r in schema.returns)
+    return any(
+        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns
+    )
 
 
 def inputs_reaching_outputs(graph: torch.fx.Graph) -> dict[int, list[int]]:
-    """Map input index -> output positions that return it or a view of it."""
+    """Map input index -> output positions that return a view of its old value.
+
+    An output that is the placeholder itself is not counted: the graph is read
+    after its ``copy_`` epilogue, so it is the input's new value, and the
+    runtime returns the caller's tensor after the write-back.
+    """
     index_of = {node: i for i, node in enumerate(placeholders(graph))}
     root_of: dict[torch.fx.Node, int] = {}
     for node in graph.nodes:
-        if node in index_of:
-            root_of[node] = index_of[node]
-        elif node.op == "call_function" and _is_view_op(node) and node.args:
+        if node.op == "call_function" and _is_view_op(node) and node.args:
             base = node.args[0]
-            if isinstance(base, torch.fx.Node) and base in root_of:
+            if isinstance(base, torch.fx.Node) and base in index_of:
+                root_of[node] = index_of[base]
+            elif isinstance(base, torch.fx.Node) and base in root_of:
                 root_of[node] = root_of[base]
-        elif node.op == "call_function" and node.target is torch.ops.aten.copy_.default:
-            pass  # copy_ returns its first arg, whose *new* value is what flows on
     result: dict[int, list[int]] = collections.defaultdict(list)
     output = next(n for n in graph.nodes if n.op == "output")
     for pos, value in enumerate(torch.fx.node.map_arg(output.args[0], lambda n: n) or ()):

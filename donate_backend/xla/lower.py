@@ -192,27 +192,52 @@ def lower(
     graph_name: str,
     keep_hlo_text: bool = False,
 ) -> LoweredGraph:
-    """Trace ``gm`` on placeholders, compile it, and describe how to run it."""
+    """Trace ``gm`` on placeholders, compile it, and describe how to run it.
+
+    If tracing fails, the error is raised afresh once every placeholder-derived
+    tensor is gone: a traceback that kept one alive would crash the process at
+    the next ``torch_xla.sync()``.
+    """
     host_scalars = set(check_inputs(example_inputs, graph_name))
-    device = torch_xla.device()
     before = metrics.transfer_snapshot()
+    failure: Optional[str] = None
+    try:
+        lowered, constants_uploaded = _trace_and_compile(
+            gm, example_inputs, host_scalars, tuple(donors), graph_name, keep_hlo_text
+        )
+    except UnsupportedGraphError as exc:
+        failure = str(exc)
+    except Exception as exc:  # noqa: BLE001 - XLA's own compile errors, re-raised below
+        failure = (
+            f"{graph_name}: XLA could not compile the graph: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:300] if str(exc) else ''}. Set DONATE_XLA_DEBUG=1 "
+            "to log the graph reports, and please report this with the graph."
+        )
+    if failure is not None:
+        raise UnsupportedGraphError(failure)
+    transfers = metrics.transfer_snapshot().minus(before)
+    return dataclasses.replace(lowered, transfers=transfers, constants_uploaded=constants_uploaded)
+
+
+def _trace_and_compile(gm, example_inputs, host_scalars, donors, graph_name, keep_hlo_text):
     with outside_fake_tracing(), tracing_settings(donate=bool(donors)):
         holders = [
             make_placeholder(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t
             for t in example_inputs
         ]
-        for i in donors:
-            XLAC._set_buffer_donation(holders[i], True)
-        tracer = _PlaceholderTracer(gm, graph_name, device)
-        traced = _flatten_outputs(tracer.run(*holders))
-        lowered = _describe_and_compile(
-            gm, holders, traced, host_scalars, tuple(donors), keep_hlo_text
-        )
-        del traced, holders, tracer.env
-    transfers = metrics.transfer_snapshot().minus(before)
-    return dataclasses.replace(
-        lowered, transfers=transfers, constants_uploaded=tracer.constants_uploaded
-    )
+        tracer = _PlaceholderTracer(gm, graph_name, torch_xla.device())
+        try:
+            for i in donors:
+                XLAC._set_buffer_donation(holders[i], True)
+            traced = _flatten_outputs(tracer.run(*holders))
+            lowered = _describe_and_compile(
+                gm, holders, traced, host_scalars, donors, keep_hlo_text
+            )
+            traced.clear()
+        finally:
+            holders.clear()
+            tracer.env.clear()
+    return lowered, tracer.constants_uploaded
 
 
 def _describe_and_compile(gm, holders, traced, host_scalars, donors, keep_hlo_text):

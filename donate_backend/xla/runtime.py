@@ -9,12 +9,13 @@
    run the non-donating variant,
 3. runs the cached HLO with inputs in parameter order (recompiling if the
    entry was evicted from torch_xla's cache),
-4. swaps the new buffers into the caller's tensors for in-place mutations
-   (bumping their version counters, as an in-place op would), and
+4. writes in-place mutations back into the caller's tensors (``copy_`` of the
+   new buffer, so views and version counters behave as after an in-place op), and
 5. returns the outputs.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -23,6 +24,8 @@ import torch_xla.core.xla_model as xm
 
 from .lower import LoweredGraph
 from .placeholders import XLAC
+
+log = logging.getLogger("donate_xla")
 
 _CACHE_MISS_MARKERS = ("failed to get computation by hash", "lru cache")
 
@@ -50,6 +53,23 @@ def _materialize_pending(tensors: list[torch.Tensor]) -> None:
 def _sync_live_aliases(device: torch.device) -> None:
     """Give lazy clones that still read a donor's buffer buffers of their own."""
     XLAC._xla_sync_live_tensors(str(device), [], True)
+
+
+_IDENTITY_VIEWS = ("detach_ViewMeta", "alias_ViewMeta", "lift_fresh_ViewMeta")
+
+
+def has_identity_storage(t: torch.Tensor) -> bool:
+    """False for a functionalization view (``t()``, ``view()``...) of another tensor.
+
+    Such a tensor's base storage still reads the old buffer after an in-place
+    update, so donating it would leave the base pointing at a deleted buffer.
+    Gradients that aot_autograd returns as views of a backward intermediate are
+    like this; parameters (a ``detach`` of their base) are not.
+    """
+    get_sequence = getattr(torch._C._functionalization, "get_view_meta_sequence", None)
+    if get_sequence is None:  # unknown torch: only plain, non-view tensors are donated
+        return not t._is_view()
+    return all(type(meta).__name__ in _IDENTITY_VIEWS for meta in get_sequence(t))
 
 
 def donors_owning_their_buffers(tensors: Sequence[torch.Tensor]) -> bool:
@@ -121,8 +141,10 @@ class XlaExecutable:
         if not lowered.donors:
             return lowered
         donors = [device_args[i] for i in lowered.donors]
-        safe = not _donors_passed_twice(args, lowered.donors) and donors_owning_their_buffers(
-            donors
+        safe = (
+            not _donors_passed_twice(args, lowered.donors)
+            and all(has_identity_storage(t) for t in donors)
+            and donors_owning_their_buffers(donors)
         )
         if safe:
             _sync_live_aliases(self.device)
@@ -130,6 +152,12 @@ class XlaExecutable:
         if safe:
             return lowered
         self.calls_without_donation += 1
+        if self.calls_without_donation == 1:
+            log.info(
+                "donate_xla: %s ran without donation: a donor shares its buffer with another "
+                "tensor (a copy_, a view, or passed twice)",
+                self.graph_name,
+            )
         return self._plain_variant()
 
     def _param_values(self, lowered: LoweredGraph, device_args: list) -> list:
@@ -159,15 +187,26 @@ class XlaExecutable:
 
     @staticmethod
     def _write_back(args: list, device_args: list, lowered: LoweredGraph, results: list) -> None:
-        for input_index, result_index in lowered.writebacks:
-            target = args[input_index]
-            new_value = results[result_index]
-            if target.device.type == "xla":
-                XLAC._replace_xla_tensor(target, new_value)
-            else:
-                with torch.no_grad():
+        """In-place semantics for the caller: ``arg.copy_(new)``, then own the buffer.
+
+        ``copy_`` (not a handle swap) keeps functionalization's view tracking
+        right, so views of a parameter see its new value, and it bumps the version
+        counter as an in-place op would. The copy is of a device-data node, so it
+        executes nothing; syncing the targets only re-tags the new buffers as
+        theirs, which the ownership check on the next call relies on.
+        """
+        device_targets = []
+        with torch.no_grad():
+            for input_index, result_index in lowered.writebacks:
+                target = args[input_index]
+                new_value = results[result_index]
+                if target.device.type == "xla":
+                    target.copy_(new_value)
+                    device_targets.append(target)
+                else:
                     target.copy_(new_value.cpu())
-            torch.autograd.graph.increment_version(target)
+        if device_targets:
+            XLAC._xla_sync_multi(device_targets, devices=[], wait=False, sync_xla_data=True)
 
     @staticmethod
     def _output(slot, args: list, results: list):
