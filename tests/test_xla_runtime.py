@@ -101,3 +101,22 @@ def test_debug_switch_logs_each_report(xla_device, caplog):
         f = torch.compile(lambda t: t.sin(), backend="donate_xla")
         f(torch.randn(3).to(xla_device))
     assert any("donate_xla compiled graph" in m and "donation on" in m for m in caplog.messages)
+
+
+def test_tensor_constants_are_uploaded_once_and_reported(xla_device):
+    def f(x):
+        scale = torch.tensor([1.0, 2.0, 3.0], device=x.device)  # a lifted constant
+        shift = torch.tensor([5.0, 6.0, 7.0]).to(x.device)  # a host constant
+        return x * scale + shift
+
+    compiled = torch.compile(f, backend="donate_xla")
+    x = torch.ones(3).to(xla_device)
+    torch.testing.assert_close(compiled(x).cpu(), torch.tensor([6.0, 8.0, 10.0]))
+    (record,) = donate_backend.reports()
+    assert record.constants_uploaded == 2
+    assert record.transfers_count == 2 and record.transfers_bytes == 24
+    before = xla_metrics.transfer_snapshot()
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x).cpu(), torch.tensor([6.0, 8.0, 10.0]))
+    delta = xla_metrics.transfer_snapshot().minus(before)
+    assert (delta.transfer_count, delta.outbound_bytes) == (0, 0)  # never uploaded again

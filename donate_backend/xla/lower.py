@@ -41,6 +41,11 @@ def has_xla_lowering(op: torch._ops.OpOverload) -> bool:
     return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in _LOWERABLE_KEYS)
 
 
+# Ops with no XLA kernel that mean the same as one that has one.
+_EQUIVALENT_OPS = {
+    torch.ops.aten.lift_fresh_copy.default: torch.ops.aten.clone.default,
+}
+
 _HOST_READ_OPS = {
     torch.ops.aten._local_scalar_dense.default: ".item() / a Python number read",
 }
@@ -139,7 +144,8 @@ class _PlaceholderTracer(torch.fx.Interpreter):
             ) from exc
 
     def _reject_unlowerable(self, node: torch.fx.Node) -> None:
-        if isinstance(node.target, torch._ops.OpOverload) and not has_xla_lowering(node.target):
+        target = _EQUIVALENT_OPS.get(node.target, node.target)
+        if isinstance(target, torch._ops.OpOverload) and not has_xla_lowering(target):
             raise UnsupportedGraphError(
                 f"{self.graph_name}: op {node.target} (node {node.name!r}) has no XLA lowering "
                 "in torch_xla, so it cannot be compiled for the XLA device. Move it outside "
@@ -167,6 +173,7 @@ class _PlaceholderTracer(torch.fx.Interpreter):
                 )
 
     def call_function(self, target, args, kwargs):
+        target = _EQUIVALENT_OPS.get(target, target)
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
             kwargs = {**kwargs, "device": self.device}
         return super().call_function(target, args, kwargs)

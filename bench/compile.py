@@ -1,0 +1,107 @@
+"""donate_xla vs openxla: bytes sent to the device while compiling, compile time, step time.
+
+Each (model, backend) pair runs in a fresh process. "Compiling" is every call up
+to the steady state (the first three calls), less three steady steps:
+    compile_s   = time(first 3 calls) - 3 * median(steady step)
+    compile_B   = OutboundData(first 3 calls) - 3 * OutboundData(steady step)
+Inputs are on the device before the first call, so a steady step sends (almost)
+nothing. donate_xla's own per-graph record (measured around its lowering) is
+printed beside it. Run: `make bench` or `python bench/compile.py [--steps N]`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+WARM_CALLS = 3
+
+
+def worker(model_name: str, backend: str, steps: int) -> dict:
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    import donate_backend
+    from xla_common import build, median
+
+    def outbound() -> float:
+        data = met.metric_data("OutboundData")
+        return float(data[1]) if data else 0.0
+
+    device = torch_xla.device()
+    model, opt, step, (x, y) = build(model_name, device)
+    torch_xla.sync()
+    xm.wait_device_ops()
+    compiled = torch.compile(step, backend=backend)
+
+    def timed_call():
+        start_b, start_t = outbound(), time.perf_counter()
+        loss = compiled(x, y)
+        torch_xla.sync()
+        xm.wait_device_ops()
+        return time.perf_counter() - start_t, outbound() - start_b, loss
+
+    warm = [timed_call() for _ in range(WARM_CALLS)]
+    steady = [timed_call() for _ in range(steps)]
+    step_s = median([t for t, _, _ in steady])
+    step_b = median([b for _, b, _ in steady])
+    records = donate_backend.reports()
+    return dict(
+        model=model_name,
+        backend=backend,
+        compile_s=sum(t for t, _, _ in warm) - WARM_CALLS * step_s,
+        compile_bytes=sum(b for _, b, _ in warm) - WARM_CALLS * step_b,
+        step_s=step_s,
+        record_bytes=sum(r.transfers_bytes for r in records),
+        record_transfers=sum(r.transfers_count for r in records),
+        graphs=len(records),
+        loss=float(warm[-1][2].detach().cpu()),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--models", default="mlp50m_sgd,gpt6x512_adamw")
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BACKEND"))
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(*args.worker, args.steps)))
+        return
+
+    from xla_common import run_worker
+
+    rows = []
+    for model_name in args.models.split(","):
+        result = {}
+        for backend in ("openxla", "donate_xla"):
+            result[backend] = run_worker(__file__, "--worker", model_name, backend, "--steps", str(args.steps))
+        rows.append(result)
+        ours, ref = result["donate_xla"], result["openxla"]
+        print(f"\n== {model_name} ({args.steps} steady steps, medians)")
+        print(f"{'':28}{'openxla':>14}{'donate_xla':>14}{'ratio':>10}")
+        print(f"{'bytes sent while compiling':28}{ref['compile_bytes']:>14.0f}{ours['compile_bytes']:>14.0f}")
+        print(f"{'  (donate_xla record)':28}{'':>14}{ours['record_bytes']:>14d}")
+        print(
+            f"{'compile seconds':28}{ref['compile_s']:>14.2f}{ours['compile_s']:>14.2f}"
+            f"{ours['compile_s'] / ref['compile_s']:>10.2f}"
+        )
+        print(
+            f"{'step seconds':28}{ref['step_s']:>14.4f}{ours['step_s']:>14.4f}"
+            f"{ours['step_s'] / ref['step_s']:>10.2f}"
+        )
+        print(f"{'loss after warm-up':28}{ref['loss']:>14.4f}{ours['loss']:>14.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Models, training steps and measurement helpers shared by the XLA benchmarks.
+
+Every benchmark runs each backend in a fresh subprocess (``run_worker``), so
+compile caches, metrics and peak memory of one backend never leak into another.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
+class WideMLP(nn.Module):
+    """About 52M parameters: 8 x Linear(2560, 2560)."""
+
+    def __init__(self, width=2560, depth=8, d_out=16):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, d_out)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = F.relu(layer(x))
+        return self.head(x)
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.proj = nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        split = lambda z: z.view(b, t, self.heads, c // self.heads).transpose(1, 2)  # noqa: E731
+        att = (split(q) @ split(k).transpose(-2, -1)) / (c // self.heads) ** 0.5
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        y = (att.masked_fill(~causal, float("-inf")).softmax(-1) @ split(v)).transpose(1, 2)
+        x = x + self.proj(y.reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class SmallGPT(nn.Module):
+    """6 layers, width 512, vocabulary 8192: about 23M parameters."""
+
+    def __init__(self, vocab=8192, width=512, depth=6, heads=8, seq=128):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.zeros(seq, width))
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+MODELS = {
+    "mlp50m_sgd": dict(
+        make=lambda: WideMLP(),
+        opt=lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
+        batch=lambda: (torch.randn(64, 2560), torch.randn(64, 16)),
+        loss=lambda out, y: F.mse_loss(out, y),
+    ),
+    "gpt6x512_adamw": dict(
+        make=lambda: SmallGPT(),
+        opt=lambda p: torch.optim.AdamW(p, lr=1e-4),
+        batch=lambda: (torch.randint(0, 8192, (8, 128)), torch.randint(0, 8192, (8, 128))),
+        loss=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+    ),
+}
+
+
+def build(model_name: str, device):
+    spec = MODELS[model_name]
+    torch.manual_seed(0)
+    model = spec["make"]().to(device)
+    opt = spec["opt"](list(model.parameters()))
+    x, y = spec["batch"]()
+
+    def step(x, y):
+        loss = spec["loss"](model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return model, opt, step, (x.to(device), y.to(device))
+
+
+def state_tensors(model, opt) -> list:
+    out = list(model.parameters())
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out += [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return out
+
+
+def current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler:
+    """Samples this process's resident set size every ``interval`` seconds."""
+
+    def __init__(self, interval=0.005):
+        self.interval = interval
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        start = time.perf_counter()
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter() - start, current_rss()))
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def peak(self) -> int:
+        return max(r for _, r in self.samples)
+
+
+def median(values) -> float:
+    return statistics.median(values)
+
+
+def run_worker(script: str, *args: str, timeout: int = 1200) -> dict:
+    """Run ``script`` in a fresh interpreter; it prints one JSON line last."""
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    out = subprocess.run(
+        [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{script} {args} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
