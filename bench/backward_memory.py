@@ -24,7 +24,6 @@ Usage: python bench/backward_memory.py [--device cpu|cuda] [--models 1,2]
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import os
 import sys

@@ -18,7 +18,6 @@ if HAS_TORCH_XLA:
 
     import donate_backend
     from donate_backend.analysis import aliasing
-    from donate_backend.xla import metrics as xla_metrics
     from donate_backend.xla.runtime import XlaExecutable
     from xla_models import MLP, CASES, Case, make_step, train
 
@@ -127,13 +126,17 @@ def test_gradients_accumulated_with_plus_equals(preallocate, alias_per_call):
         assert donors_used == [0] * 3
 
 
-def test_donated_device_addresses_are_reused():
+def _compiled_sgd_mlp():
     device = torch_xla.device()
     torch.manual_seed(0)
     model = MLP().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     step = torch.compile(make_step(model, opt, CASES["mlp_sgd_momentum"]), backend="donate_xla")
-    batch = (torch.randn(8, 16).to(device), torch.randn(8, 4).to(device))
+    return model, opt, step, (torch.randn(8, 16).to(device), torch.randn(8, 4).to(device))
+
+
+def test_donated_device_addresses_are_reused():
+    model, opt, step, batch = _compiled_sgd_mlp()
     for _ in range(2):  # reach the steady-state graph (momentum buffers exist)
         step(*batch)
     torch_xla.sync()
@@ -269,12 +272,7 @@ def test_input_mutated_in_forward_and_returned_is_not_donated(xla_device):
 
 
 def test_lazy_clone_taken_before_the_step_keeps_its_value():
-    device = torch_xla.device()
-    torch.manual_seed(0)
-    model = MLP().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = torch.compile(make_step(model, opt, CASES["mlp_sgd_momentum"]), backend="donate_xla")
-    batch = (torch.randn(8, 16).to(device), torch.randn(8, 4).to(device))
+    model, opt, step, batch = _compiled_sgd_mlp()
     step(*batch)
     torch_xla.sync()
     expected = [p.detach().cpu().clone() for p in model.parameters()]

@@ -7,16 +7,8 @@ import sys
 import pytest
 import torch
 
-import donate_backend
 from donate_backend.native import compat, free_saved
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    donate_backend.clear_reports()
-    yield
-    torch._dynamo.reset()
 
 
 def test_keep_graph_is_unknown_without_the_api(monkeypatch):

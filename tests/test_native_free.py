@@ -1,20 +1,12 @@
 """The compiled backward frees saved activations at their last use, before it returns."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import donate_backend
 from donate_backend import config
 from memtrack import StorageTracker, profiler_peak_bytes
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    donate_backend.clear_reports()
-    yield
-    torch._dynamo.reset()
 
 
 def mlp(width=64, depth=3):

@@ -10,13 +10,6 @@ import donate_backend
 from donate_backend import config
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    donate_backend.clear_reports()
-    yield
-    torch._dynamo.reset()
-
 
 def mlp():
     return torch.nn.Sequential(

@@ -7,18 +7,10 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import donate_backend
 from donate_backend.native import free_saved, reuse
 
 aten = torch.ops.aten
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    donate_backend.clear_reports()
-    yield
-    torch._dynamo.reset()
 
 
 def trace(fn, *shapes):

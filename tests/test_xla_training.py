@@ -7,9 +7,6 @@ from conftest import HAS_TORCH_XLA
 pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
 
 if HAS_TORCH_XLA:
-    import torch_xla
-    import torch_xla.debug.metrics as met
-
     import donate_backend
     import donate_backend.xla as xla_path
     from donate_backend.xla import metrics as xla_metrics

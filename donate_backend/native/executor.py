@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 from typing import Callable, Optional
 
-import torch
 
 from .. import config
 from . import compat, free_saved

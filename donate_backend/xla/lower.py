@@ -296,7 +296,6 @@ def _describe_and_compile(gm, holders, traced, host_scalars, donors, keep_hlo_te
     aliases_before = metrics.alias_count_total()[1]
     XLAC._xla_warm_up_cache(results, [])
     aliased = int(metrics.alias_count_total()[1] - aliases_before)
-    del param_values, results
     return LoweredGraph(
         graph_hash, tuple(params), writebacks, tuple(slots), donors, 0, None, hlo_text, aliased
     )
