@@ -1,4 +1,10 @@
-"""Random in-place programs over random, sometimes aliased inputs: donate_xla == eager on XLA."""
+"""Random in-place programs over random, sometimes aliased inputs: donate_xla == eager.
+
+The oracle is eager PyTorch on the CPU. Eager torch_xla is also run, but it is
+not trusted: its graph cache can confuse two graphs that differ only in which
+of several same-shaped inputs an op reads (the bug donate_xla's graph
+fingerprint avoids), and over many examples it then returns wrong values.
+"""
 import pytest
 import torch
 
@@ -12,8 +18,6 @@ from hypothesis import strategies as st  # noqa: E402
 
 if HAS_TORCH_XLA:
     import torch_xla
-
-    from donate_backend.errors import UnsupportedGraphError
 
 N_SLOTS = 4
 # An input slot is a fresh tensor, the same object as an earlier slot, or a view of a
@@ -68,15 +72,27 @@ def snapshot(base, slots):
     return [base.cpu()] + [t.cpu() for t in slots]
 
 
+def _assert_all_close(expected, got):
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def _reference(program, kinds, seed, device):
+    base, slots = make_inputs(kinds, device, seed)
+    out = program(*slots)
+    return snapshot(base, slots) + [out.cpu()]
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kinds=st.lists(SLOT_KINDS, min_size=N_SLOTS, max_size=N_SLOTS), ops=st.lists(OPS, min_size=1, max_size=5), seed=st.integers(0, 1000))
 def test_random_inplace_programs_match_eager(kinds, ops, seed):
     device = torch_xla.device()
     torch._dynamo.reset()
     program = make_program(ops)
-    base_e, slots_e = make_inputs(kinds, device, seed)
-    out_e = program(*slots_e)
-    expected = snapshot(base_e, slots_e) + [out_e.cpu()]
+    expected = _reference(program, kinds, seed, "cpu")
+    eager_xla = _reference(program, kinds, seed, device)
+    if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(expected, eager_xla)):
+        hypothesis.event("eager torch_xla itself deviated from the CPU")
 
     base_c, slots_c = make_inputs(kinds, device, seed)
     before = snapshot(base_c, slots_c)
@@ -86,18 +102,11 @@ def test_random_inplace_programs_match_eager(kinds, ops, seed):
     except Exception as exc:  # only the documented refusal is acceptable, and nothing written
         hypothesis.event("refused: overlapping views written")
         assert "views of one XLA tensor" in str(exc), str(exc)[:500]
-        assert isinstance(exc.__cause__ or exc, (UnsupportedGraphError, Exception))
-        for a, b in zip(before, snapshot(base_c, slots_c)):
-            torch.testing.assert_close(b, a)
+        _assert_all_close(before, snapshot(base_c, slots_c))
         return
     hypothesis.event("compiled and compared")
-    got = snapshot(base_c, slots_c) + [out_c.cpu()]
-    for a, b in zip(expected, got):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    # run it again on fresh inputs: the second call uses the cached executable
-    base_e2, slots_e2 = make_inputs(kinds, device, seed + 1)
+    _assert_all_close(expected, snapshot(base_c, slots_c) + [out_c.cpu()])
+    # again on other inputs: the second call runs the cached executable
     base_c2, slots_c2 = make_inputs(kinds, device, seed + 1)
-    out_e2 = program(*slots_e2)
     out_c2 = compiled(*slots_c2)
-    for a, b in zip(snapshot(base_e2, slots_e2) + [out_e2.cpu()], snapshot(base_c2, slots_c2) + [out_c2.cpu()]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    _assert_all_close(_reference(program, kinds, seed + 1, "cpu"), snapshot(base_c2, slots_c2) + [out_c2.cpu()])

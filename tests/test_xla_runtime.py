@@ -120,3 +120,28 @@ def test_tensor_constants_are_uploaded_once_and_reported(xla_device):
         torch.testing.assert_close(compiled(x).cpu(), torch.tensor([6.0, 8.0, 10.0]))
     delta = xla_metrics.transfer_snapshot().minus(before)
     assert (delta.transfer_count, delta.outbound_bytes) == (0, 0)  # never uploaded again
+
+
+def test_graphs_differing_only_in_which_input_is_read_do_not_share_code(xla_device):
+    """torch_xla's graph hash cannot tell `b + a` from `b + c` for same-shaped inputs;
+    without the fingerprint the second graph ran the first one's executable."""
+
+    def reads_a(a, b, c):
+        with torch.no_grad():
+            b.add_(a, alpha=0.5)
+        return a + b * c
+
+    def reads_c(a, b, c):
+        with torch.no_grad():
+            b.add_(c, alpha=0.5)
+        return a + b * c
+
+    for fn in (reads_a, reads_c):
+        host = [torch.arange(4.0) + k for k in range(3)]
+        expected_out = fn(*[t.clone() for t in host])
+        expected_b = host[1].clone()
+        fn(host[0].clone(), expected_b, host[2].clone())
+        args = [t.to(xla_device) for t in host]
+        out = torch.compile(fn, backend="donate_xla")(*args)
+        torch.testing.assert_close(out.cpu(), expected_out)
+        torch.testing.assert_close(args[1].cpu(), expected_b)

@@ -71,8 +71,8 @@ def forward(self, arg0_1, arg1_1):
     copy_ = torch.ops.aten.copy_.default(arg0_1, add);  arg0_1 = add = copy_ = None
     return ()""")
         self.assertExpectedInline(normalize_hlo(lowered.hlo_text), """\
-HloModule IrToHlo, entry_computation_layout={(f32[4]{0}, f32[4]{0})->(f32[4]{0})}
-ENTRY %IrToHlo (p0: f32[4], p1: f32[4]) -> (f32[4]) {
+HloModule IrToHlo, entry_computation_layout={(f32[4]{0}, f32[4]{0})->(f32[4]{0}, s64[])}
+ENTRY %IrToHlo (p0: f32[4], p1: f32[4]) -> (f32[4], s64[]) {
   %p1 = f32[4]{0} parameter(1)
   %p0 = f32[4]{0} parameter(0)
   %constant = f32[] constant(-0.5)
@@ -82,5 +82,6 @@ ENTRY %IrToHlo (p0: f32[4], p1: f32[4]) -> (f32[4]) {
   %broadcast = f32[4]{0} broadcast(f32[] %constant), dimensions={}
   %multiply = f32[4]{0} multiply(f32[4]{0} %multiply, f32[4]{0} %broadcast)
   %add = f32[4]{0} add(f32[4]{0} %p1, f32[4]{0} %multiply)
-  ROOT %tuple = (f32[4]{0}) tuple(f32[4]{0} %add)
+  %constant = s64[] constant(<fingerprint>)
+  ROOT %tuple = (f32[4]{0}, s64[]) tuple(f32[4]{0} %add, s64[] %constant)
 }""")

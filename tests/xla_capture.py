@@ -25,8 +25,9 @@ def normalize_fx(code: str) -> str:
 
 
 def normalize_hlo(text: str) -> str:
-    """Drop the numeric suffixes XLA gives instructions and modules."""
+    """Drop the numeric suffixes XLA gives instructions and modules, and the graph fingerprint."""
     text = re.sub(r"(%?[A-Za-z_][\w-]*)\.\d+", r"\1", text)
+    text = re.sub(r"s64\[\] constant\(\d{6,}\)", "s64[] constant(<fingerprint>)", text)
     text = re.sub(r", metadata=\{[^}]*\}", "", text)
     lines = [line.rstrip() for line in text.strip().splitlines() if line.strip()]
     return "\n".join(lines)

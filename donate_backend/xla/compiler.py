@@ -5,7 +5,6 @@ Each graph is lowered once per switch setting. The returned callable checks
 """
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from typing import Optional, Sequence
@@ -14,10 +13,8 @@ import torch
 
 from .. import config, report
 from ..analysis import aliasing, mutation
-from .lower import LoweredGraph, check_inputs, lower
+from .lower import LoweredGraph, check_inputs, flatten_outputs, lower
 from .runtime import XlaExecutable
-
-log = logging.getLogger("donate_xla")
 
 _warned_unusable: set[str] = set()
 
@@ -58,9 +55,9 @@ def choose_donors(gm, example_inputs, ctx, roles) -> tuple[list[int], list]:
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     metas = [
         n.meta.get("val") if isinstance(n, torch.fx.Node) else None
-        for n in (output_node.args[0] if isinstance(output_node.args[0], (list, tuple)) else [output_node.args[0]])
+        for n in flatten_outputs(output_node.args[0])
     ]
-    metas += [example_inputs[i] for i in candidates]  # each donor's own new value
+    metas += [example_inputs[i] for i in candidates]  # the written-back new values
     for i in aliasing.outputs_without_slot(donors, example_inputs, metas):
         reasons[i] = aliasing.NO_MATCHING_OUTPUT
     donors = [i for i in donors if i not in reasons]

@@ -9,6 +9,7 @@ Every placeholder-derived tensor is dropped before ``lower`` returns.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Optional, Sequence
 
 import torch
@@ -186,7 +187,7 @@ class _PlaceholderTracer(torch.fx.Interpreter):
         return value
 
 
-def _flatten_outputs(out) -> list:
+def flatten_outputs(out) -> list:
     if isinstance(out, (list, tuple)):
         return list(out)
     return [out]
@@ -236,9 +237,10 @@ def _trace_and_compile(gm, example_inputs, host_scalars, donors, graph_name, kee
         try:
             for i in donors:
                 XLAC._set_buffer_donation(holders[i], True)
-            traced = _flatten_outputs(tracer.run(*holders))
+            traced = flatten_outputs(tracer.run(*holders))
+            fingerprint = graph_fingerprint(gm, example_inputs, donors)
             lowered = _describe_and_compile(
-                gm, holders, traced, host_scalars, donors, keep_hlo_text
+                gm, holders, traced, host_scalars, donors, keep_hlo_text, fingerprint
             )
             traced.clear()
         finally:
@@ -247,7 +249,27 @@ def _trace_and_compile(gm, example_inputs, host_scalars, donors, graph_name, kee
     return lowered, tracer.constants_uploaded
 
 
-def _describe_and_compile(gm, holders, traced, host_scalars, donors, keep_hlo_text):
+def graph_fingerprint(gm: torch.fx.GraphModule, example_inputs: Sequence, donors: Sequence[int]) -> int:
+    """A 62-bit number that differs for graphs that compute different things.
+
+    torch_xla's graph hash does not tell apart graphs that differ only in which
+    of several same-shaped inputs an op reads (``b + a`` vs ``b + c``), so two
+    such graphs would share one cache entry and one would run the other's code.
+    """
+    signature = [
+        (tuple(t.shape), str(t.dtype), t.device.type) if isinstance(t, torch.Tensor) else repr(t)
+        for t in example_inputs
+    ]
+    text = f"{gm.code}\n{signature}\n{sorted(donors)}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+
+def _fingerprint_output(fingerprint: int, device) -> torch.Tensor:
+    """An HLO constant carrying the fingerprint, so it is part of torch_xla's hash."""
+    return torch.full((), fingerprint, dtype=torch.int64, device=device)
+
+
+def _describe_and_compile(gm, holders, traced, host_scalars, donors, keep_hlo_text, fingerprint):
     tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
     index_of_holder = {id(holders[i]): i for i in tensor_inputs}
     pending = XLAC._check_tensor_need_materialization([holders[i] for i in tensor_inputs])
@@ -264,7 +286,7 @@ def _describe_and_compile(gm, holders, traced, host_scalars, donors, keep_hlo_te
 
     writebacks = tuple((i, add_result(holders[i])) for i in mutated)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    output_metas = _flatten_outputs(output_node.args[0])
+    output_metas = flatten_outputs(output_node.args[0])
     slots = []
     for value, meta_node in zip(traced, output_metas):
         if isinstance(value, torch.Tensor) and id(value) in index_of_holder:
@@ -280,6 +302,7 @@ def _describe_and_compile(gm, holders, traced, host_scalars, donors, keep_hlo_te
     if not results:
         return LoweredGraph(None, (), writebacks, tuple(slots), (), 0, None)
 
+    results.append(_fingerprint_output(fingerprint, torch_xla.device()))
     graph_hash = XLAC._get_graph_hash(results)
     param_ids, param_values = XLAC._get_tensors_xla_device_data_node(results)
     holder_by_id = {tensor_id(holders[i]): i for i in tensor_inputs}

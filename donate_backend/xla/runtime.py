@@ -119,7 +119,7 @@ class XlaExecutable:
         lowered = self._choose_variant(args, device_args)
         self.last_call = lowered
         results = self._run(lowered, device_args) if lowered.graph_hash is not None else []
-        self._write_back(args, device_args, lowered, results)
+        self._write_back(args, lowered, results)
         return [self._output(slot, args, results) for slot in lowered.outputs]
 
     def _plain_variant(self) -> LoweredGraph:
@@ -186,7 +186,7 @@ class XlaExecutable:
         return XLAC._run_cached_graph(fresh.graph_hash, self._param_values(fresh, device_args))
 
     @staticmethod
-    def _write_back(args: list, device_args: list, lowered: LoweredGraph, results: list) -> None:
+    def _write_back(args: list, lowered: LoweredGraph, results: list) -> None:
         """In-place semantics for the caller: ``arg.copy_(new)``, then own the buffer.
 
         ``copy_`` (not a handle swap) keeps functionalization's view tracking
