@@ -89,7 +89,11 @@ def test_random_inplace_programs_match_eager(kinds, ops, seed):
     device = torch_xla.device()
     torch._dynamo.reset()
     program = make_program(ops)
-    expected = _reference(program, kinds, seed, "cpu")
+    try:
+        expected = _reference(program, kinds, seed, "cpu")
+    except RuntimeError as exc:  # eager CPU refuses in-place ops between overlapping views
+        hypothesis.assume("single memory location" not in str(exc))
+        raise
     eager_xla = _reference(program, kinds, seed, device)
     if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(expected, eager_xla)):
         hypothesis.event("eager torch_xla itself deviated from the CPU")
@@ -109,4 +113,5 @@ def test_random_inplace_programs_match_eager(kinds, ops, seed):
     # again on other inputs: the second call runs the cached executable
     base_c2, slots_c2 = make_inputs(kinds, device, seed + 1)
     out_c2 = compiled(*slots_c2)
-    _assert_all_close(_reference(program, kinds, seed + 1, "cpu"), snapshot(base_c2, slots_c2) + [out_c2.cpu()])
+    expected2 = _reference(program, kinds, seed + 1, "cpu")
+    _assert_all_close(expected2, snapshot(base_c2, slots_c2) + [out_c2.cpu()])
