@@ -1,6 +1,7 @@
 """donate_xla vs openxla: bytes sent to the device while compiling, compile time, step time.
 
-Each (model, backend) pair runs in a fresh process. "Compiling" is every call up
+Each (model, backend) pair runs `--repeats` times (default 3), interleaved, each in
+a fresh process; figures are medians over the repeats. "Compiling" is every call up
 to the steady state (the first three calls), less three steady steps:
     compile_s = time(first 3 calls) - 3 * median(steady step)
 Bytes (torch_xla's OutboundData) are printed raw: for the first three calls and
@@ -70,6 +71,7 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="mlp50m_sgd,gpt6x512_adamw")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BACKEND"))
     parser.add_argument("--json", help="also write the results here")
@@ -78,20 +80,20 @@ def main() -> None:
         print(json.dumps(worker(*args.worker, args.steps)))
         return
 
-    from xla_common import run_worker
+    from xla_common import run_repeated, summarize
 
     rows = []
     for model_name in args.models.split(","):
-        result = {}
-        for backend in ("openxla", "donate_xla"):
-            result[backend] = run_worker(__file__, "--worker", model_name, backend, "--steps", str(args.steps))
-        rows.append(result)
-        ours, ref = result["donate_xla"], result["openxla"]
-        print(f"\n== {model_name} ({args.steps} steady steps, medians)")
+        runs = run_repeated(__file__, model_name, ("openxla", "donate_xla"), args.repeats, "--steps", str(args.steps))
+        med = {b: {k: summarize(runs[b], k)[0] for k in ("warm_bytes", "steady_bytes", "record_bytes", "compile_s", "step_s", "loss")} for b in runs}
+        rows.append(med)
+        ours, ref = med["donate_xla"], med["openxla"]
+        step_ratios = sorted(o["step_s"] / r["step_s"] for o, r in zip(runs["donate_xla"], runs["openxla"]))
+        print(f"\n== {model_name} ({args.steps} steady steps x {args.repeats} repeats, medians)")
         print(f"{'':28}{'openxla':>14}{'donate_xla':>14}{'ratio':>10}")
         print(f"{'bytes sent, first 3 calls':28}{ref['warm_bytes']:>14.0f}{ours['warm_bytes']:>14.0f}")
         print(f"{'bytes sent per steady call':28}{ref['steady_bytes']:>14.0f}{ours['steady_bytes']:>14.0f}")
-        print(f"{'bytes sent while lowering':28}{'n/a':>14}{ours['record_bytes']:>14d}")
+        print(f"{'bytes sent while lowering':28}{'n/a':>14}{ours['record_bytes']:>14.0f}")
         print(
             f"{'compile seconds':28}{ref['compile_s']:>14.2f}{ours['compile_s']:>14.2f}"
             f"{ours['compile_s'] / ref['compile_s']:>10.2f}"
@@ -100,6 +102,7 @@ def main() -> None:
             f"{'step seconds':28}{ref['step_s']:>14.4f}{ours['step_s']:>14.4f}"
             f"{ours['step_s'] / ref['step_s']:>10.2f}"
         )
+        print(f"{'  step ratio per repeat':28}{'':>14}{'':>14}  {' '.join(f'{r:.2f}' for r in step_ratios)}")
         print(f"{'loss after warm-up':28}{ref['loss']:>14.4f}{ours['loss']:>14.4f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,7 +1,7 @@
 """Peak memory of a training step: donate_xla vs openxla vs openxla with donors flagged by hand.
 
-Each backend runs in a fresh process. After one warm-up call (compiles, creates
-optimizer state) the process samples its RSS every 5 ms over `--steps` steps.
+Each backend runs `--repeats` times (default 3), interleaved, each in a fresh
+process; the figures are medians over the repeats, with their range. (compiles, creates optimizer state) the process samples its RSS every 5 ms over `--steps` steps.
 On XLA:CPU device buffers live in host memory, so RSS growth is device memory
 growth. Reported per backend:
   - peak RSS growth over the steps (peak - RSS before the first measured step)
@@ -118,6 +118,7 @@ def plot(rows: list, path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="mlp50m_sgd,gpt6x512_adamw")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BACKEND"))
     parser.add_argument("--plot", default=os.path.join(DOCS, "donation_rss.png"))
@@ -127,30 +128,38 @@ def main() -> None:
         print(json.dumps(worker(*args.worker, args.steps)))
         return
 
-    from xla_common import run_worker
+    from xla_common import run_repeated, summarize
 
-    rows = []
+    mib = lambda b: b / 2**20  # noqa: E731
+    rows, summary = [], []
     for model_name in args.models.split(","):
-        result = {b: run_worker(__file__, "--worker", model_name, b, "--steps", str(args.steps)) for b in BACKENDS}
-        rows.append(result)
-        ours, ref = result["donate_xla"], result["openxla"]
-        mib = lambda b: b / 2**20  # noqa: E731
-        print(f"\n== {model_name}: {args.steps} steps, floor {mib(ours['floor']):.0f} MiB "
-              f"(grads {mib(ours['grad_bytes']):.0f} + activations {mib(ours['floor'] - ours['grad_bytes']):.0f})")
-        print(f"{'backend':18}{'peak growth MiB':>17}{'x openxla':>11}{'x floor':>9}{'reused/state':>14}{'step s':>9}{'x openxla':>11}")
+        runs = run_repeated(__file__, model_name, BACKENDS, args.repeats, "--steps", str(args.steps))
+        rows.append({b: runs[b][0] for b in BACKENDS})  # the plot shows the first repeat
+        ref_peak = summarize(runs["openxla"], "peak_growth")[0]
+        ref_step = summarize(runs["openxla"], "step_s")[0]
+        first = runs["donate_xla"][0]
+        print(f"\n== {model_name}: {args.steps} steps x {args.repeats} repeats (medians, [min-max]); floor "
+              f"{mib(first['floor']):.0f} MiB (grads {mib(first['grad_bytes']):.0f} + activations "
+              f"{mib(first['floor'] - first['grad_bytes']):.0f})")
+        print(f"{'backend':18}{'peak growth MiB':>26}{'x openxla':>11}{'x floor':>9}{'reused/state':>14}{'step s':>9}{'x openxla':>11}")
         for backend in BACKENDS:
-            r = result[backend]
+            peak, lo, hi = summarize(runs[backend], "peak_growth")
+            step = summarize(runs[backend], "step_s")[0]
+            reused = summarize(runs[backend], "reused")[0]
+            state = runs[backend][0]["state_buffers"]
             print(
-                f"{backend:18}{mib(r['peak_growth']):>17.1f}{r['peak_growth'] / ref['peak_growth']:>11.2f}"
-                f"{r['peak_growth'] / r['floor']:>9.2f}{r['reused']:>8d}/{r['state_buffers']:<5d}"
-                f"{r['step_s']:>9.3f}{r['step_s'] / ref['step_s']:>11.2f}"
+                f"{backend:18}{mib(peak):>10.1f} [{mib(lo):>6.0f}-{mib(hi):<6.0f}]"
+                f"{peak / ref_peak:>11.2f}{peak / first['floor']:>9.2f}{reused:>8.0f}/{state:<5d}"
+                f"{step:>9.3f}{step / ref_step:>11.2f}"
             )
+            summary.append(dict(model=model_name, backend=backend, peak_growth=peak, peak_min=lo, peak_max=hi,
+                                step_s=step, reused=reused, state_buffers=state, floor=first["floor"]))
     if args.plot:
         plot(rows, args.plot)
         print(f"\nplot: {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{b: {k: v for k, v in r[b].items() if k != "rss"} for b in r} for r in rows], f, indent=1)
+            json.dump(summary, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -159,3 +159,18 @@ def run_worker(script: str, *args: str, timeout: int = 1200) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"{script} {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_repeated(script: str, model_name: str, backends, repeats: int, *extra: str) -> dict:
+    """Each backend ``repeats`` times, interleaved (a, b, c, a, b, c, ...), fresh processes."""
+    runs = {b: [] for b in backends}
+    for _ in range(repeats):
+        for backend in backends:
+            runs[backend].append(run_worker(script, "--worker", model_name, backend, *extra))
+    return runs
+
+
+def summarize(runs: list, key: str) -> tuple[float, float, float]:
+    """(median, min, max) of one figure over repeated runs."""
+    values = [r[key] for r in runs]
+    return median(values), min(values), max(values)

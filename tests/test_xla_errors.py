@@ -75,3 +75,23 @@ def test_non_scalar_host_tensor_input_is_rejected(xla_device):
     # dynamo keeps the .to() in the graph: the host tensor is an input of an XLA graph
     assert "cpu tensor of shape (4,)" in str(info.value)
     assert "torch_xla.device()" in str(info.value)
+
+
+def test_xla_compile_failure_is_reported_and_frees_placeholders(xla_device, monkeypatch):
+    import torch_xla
+
+    import donate_backend.xla.lower as lower_module
+
+    def failing_compile(*args, **kwargs):
+        raise RuntimeError("INTERNAL: something XLA did not like")
+
+    monkeypatch.setattr(lower_module, "_describe_and_compile", failing_compile)
+    f = torch.compile(lambda t: t * 3, backend="donate_xla")
+    with pytest.raises(Exception) as info:
+        f(torch.randn(4).to(xla_device))
+    message = str(info.value)
+    assert re.search(r"graph \d+ inference: XLA could not compile the graph: RuntimeError: INTERNAL", message)
+    assert "DONATE_XLA_DEBUG=1" in message
+    torch_xla.sync()  # a placeholder left alive here would crash the process
+    x = torch.ones(3).to(xla_device) * 2
+    torch.testing.assert_close(x.cpu(), torch.full((3,), 2.0))
