@@ -12,7 +12,6 @@ graph records), which is the "while compiling" figure. Run: `make bench` or `pyt
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -69,18 +68,15 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", default="mlp50m_sgd,gpt6x512_adamw")
-    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BACKEND"))
-    parser.add_argument("--json", help="also write the results here")
+    from xla_common import bench_arguments
+
+    parser = bench_arguments(__doc__.splitlines()[0])
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker, args.steps)))
         return
 
-    from xla_common import run_repeated, summarize
+    from xla_common import run_repeated, summarize, write_json
 
     rows = []
     for model_name in args.models.split(","):
@@ -104,9 +100,7 @@ def main() -> None:
         )
         print(f"{'  step ratio per repeat':28}{'':>14}{'':>14}  {' '.join(f'{r:.2f}' for r in step_ratios)}")
         print(f"{'loss after warm-up':28}{ref['loss']:>14.4f}{ours['loss']:>14.4f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

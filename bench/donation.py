@@ -15,7 +15,6 @@ Writes docs/donation_rss.png (RSS over the steps). Run: `make bench`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -116,19 +115,16 @@ def plot(rows: list, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", default="mlp50m_sgd,gpt6x512_adamw")
-    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BACKEND"))
+    from xla_common import bench_arguments
+
+    parser = bench_arguments(__doc__.splitlines()[0])
     parser.add_argument("--plot", default=os.path.join(DOCS, "donation_rss.png"))
-    parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker, args.steps)))
         return
 
-    from xla_common import run_repeated, summarize
+    from xla_common import run_repeated, summarize, write_json
 
     mib = lambda b: b / 2**20  # noqa: E731
     rows, summary = [], []
@@ -157,9 +153,7 @@ def main() -> None:
     if args.plot:
         plot(rows, args.plot)
         print(f"\nplot: {args.plot}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+    write_json(args.json, summary)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ compile caches, metrics and peak memory of one backend never leak into another.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -174,3 +175,20 @@ def summarize(runs: list, key: str) -> tuple[float, float, float]:
     """(median, min, max) of one figure over repeated runs."""
     values = [r[key] for r in runs]
     return median(values), min(values), max(values)
+
+
+def bench_arguments(description: str) -> argparse.ArgumentParser:
+    """The options both XLA benchmarks take."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BACKEND"), help="internal: one run")
+    parser.add_argument("--json", help="also write the results here")
+    return parser
+
+
+def write_json(path, data) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
