@@ -35,10 +35,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from memtrack import StorageTracker, profiler_peak_bytes  # noqa: E402  (the tests' trackers)
 
 MiB = 2**20
 WORLD_SIZE = 2
@@ -66,68 +66,6 @@ MODELS = {
     "params dominate (8 x Linear 1024, batch 16)": (1024, 8, 16),
     "activations dominate (4 x Linear 256, batch 4096)": (256, 4, 4096),
 }
-
-
-class DispatchPeak(TorchDispatchMode):
-    """Peak bytes of live storages made by ATen ops while active."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __init__(self):
-        super().__init__()
-        self.live = {}
-        self.live_bytes = 0
-        self.peak_bytes = 0
-
-    def _sweep(self):
-        for ref in [r for r in self.live if r.expired()]:
-            self.live_bytes -= self.live.pop(ref)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self._sweep()
-        inputs = {
-            StorageWeakRef(v.untyped_storage())
-            for v in tree_leaves((args, kwargs))
-            if isinstance(v, torch.Tensor) and v.layout == torch.strided
-        }
-        out = func(*args, **(kwargs or {}))
-        for v in tree_leaves(out):
-            if isinstance(v, torch.Tensor) and v.layout == torch.strided:
-                ref = StorageWeakRef(v.untyped_storage())
-                if ref not in inputs and ref not in self.live:
-                    self.live[ref] = v.untyped_storage().nbytes()
-                    self.live_bytes += self.live[ref]
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self._sweep()
-        return out
-
-
-def _allocation_events(prof) -> list:
-    """(time, bytes) of every allocator event (frees negative), in time order."""
-    from torch._C._profiler import _EventType
-
-    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            found.append((node.start_time_ns, node.extra_fields.alloc_size))
-        stack.extend(node.children)
-    return sorted(found)
-
-
-def profiler_peak(fn) -> int:
-    """Peak of the running sum of allocator events during ``fn()``, above the start."""
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        fn()
-    running = peak = 0
-    for _, nbytes in _allocation_events(prof):
-        running += nbytes
-        peak = max(peak, running)
-    return peak
 
 
 def _make(variant: str, width: int, depth: int):
@@ -162,13 +100,13 @@ def measure(variant: str, width: int, depth: int, batch: int, rank: int) -> dict
         opt.zero_grad(set_to_none=True)
     peaks, dispatch_peaks = [], []
     for x in data[WARMUP_STEPS:]:
-        peaks.append(profiler_peak(lambda: step(x)))
+        peaks.append(profiler_peak_bytes(lambda: step(x)))
         opt.zero_grad(set_to_none=True)
         if variant != "compile(DDP) inductor":
             # Twice: an active dispatch mode makes dynamo recompile, and the
             # compile's own allocations must not count.
             for _ in range(2):
-                with DispatchPeak() as tracker:
+                with StorageTracker() as tracker:
                     step(x)
                 opt.zero_grad(set_to_none=True)
             dispatch_peaks.append(tracker.peak_bytes)
