@@ -7,7 +7,7 @@ entry point too, so no import is needed).
 from __future__ import annotations
 
 from . import config
-from .errors import DonateXlaError, LiveAliasError, UnsupportedGraphError
+from .errors import DonateXlaError, UnsupportedGraphError
 from .report import GraphRecord, clear_reports, format_record, format_table, reports
 
 
@@ -32,5 +32,4 @@ __all__ = [
     "GraphRecord",
     "DonateXlaError",
     "UnsupportedGraphError",
-    "LiveAliasError",
 ]

@@ -7,7 +7,3 @@ class DonateXlaError(RuntimeError):
 
 class UnsupportedGraphError(DonateXlaError):
     """The graph uses an op or feature the backend cannot compile."""
-
-
-class LiveAliasError(DonateXlaError):
-    """A tensor the user can still read shares a buffer that would be donated."""

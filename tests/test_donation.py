@@ -1,10 +1,12 @@
 """Automatic donation on XLA: who is donated, that buffers are reused, and safety."""
+import logging
 import os
 import pathlib
 import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -287,8 +289,9 @@ def test_lazy_clone_taken_before_the_step_keeps_its_value():
         torch.testing.assert_close(view.cpu(), p.detach()[0].cpu())  # a view follows its base
 
 
-def test_buffer_copied_from_another_tensor_is_not_clobbered(xla_device):
+def test_buffer_copied_from_another_tensor_is_not_clobbered(xla_device, caplog):
     """`q.copy_(p)` shares one device buffer; donating either must not break the other."""
+    caplog.set_level(logging.INFO, logger="donate_xla")
     p = torch.randn(6).to(xla_device)
     torch_xla.sync()
     p_value = p.cpu()
@@ -308,6 +311,8 @@ def test_buffer_copied_from_another_tensor_is_not_clobbered(xla_device):
     bump(p)  # now p is the donor and r reads its buffer
     torch.testing.assert_close(r.cpu(), p_value)
     torch.testing.assert_close(p.cpu(), p_value + 1)
+    fallbacks = [m for m in caplog.messages if "ran without donation" in m]
+    assert len(fallbacks) == 1 and "shares its buffer" in fallbacks[0]  # logged once per graph
 
 
 def test_retain_graph_backward_twice_matches_eager(xla_device):
@@ -351,6 +356,18 @@ def test_backward_after_a_donating_step_raises_like_eager(xla_device):
             loss.backward()
         errors.append(str(info.value))
     assert len(errors) == 2
+
+
+def test_unusable_donors_warn_once_per_graph():
+    from donate_backend import report
+    from donate_backend.xla import compiler
+
+    exclusions = [report.InputExclusion(3, "other", aliasing.NO_MATCHING_OUTPUT)]
+    with pytest.warns(UserWarning, match=r"graph 77 inference: some overwritten inputs could not be donated .*\[3\]"):
+        compiler._warn_unusable("graph 77 inference", exclusions)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiler._warn_unusable("graph 77 inference", exclusions)  # not again
 
 
 def test_no_matching_output_is_detected():

@@ -95,3 +95,16 @@ def test_xla_compile_failure_is_reported_and_frees_placeholders(xla_device, monk
     torch_xla.sync()  # a placeholder left alive here would crash the process
     x = torch.ones(3).to(xla_device) * 2
     torch.testing.assert_close(x.cpu(), torch.full((3,), 2.0))
+
+
+def test_tensor_with_a_symbolic_size_is_rejected_with_advice():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from donate_backend.xla.lower import check_inputs
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic_rows = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    fake = mode.from_tensor(torch.randn(4, 3), symbolic_context=dynamic_rows)
+    with pytest.raises(UnsupportedGraphError, match=r"graph 9 forward: input #0 has a dynamic shape .*dynamic=False"):
+        check_inputs([fake], "graph 9 forward")
