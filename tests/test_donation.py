@@ -152,8 +152,23 @@ def test_donated_device_addresses_are_reused():
     assert sorted(after) == sorted(before)
 
 
+def _optimized_hlo_modules(script: str, tmp_path) -> list:
+    env = dict(os.environ, PJRT_DEVICE="CPU", XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text")
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [p.read_text() for p in sorted(pathlib.Path(tmp_path).glob("*after_optimizations.txt"))]
+
+
+def _aliases_and_copied_parameters(text: str) -> tuple:
+    alias = re.search(r"input_output_alias=\{(.*?)\}, entry", text).group(1)
+    entry = text[text.index("ENTRY"):]
+    parameters = set(re.findall(r"(%[\w.-]+) = \S+ parameter\(", entry))
+    copied = set(re.findall(r"copy\([^)]*?(%[\w.-]+)\)", entry))
+    return len(re.findall(r"may-alias", alias)), parameters, parameters & copied
+
+
 def test_optimized_hlo_aliases_donors_and_copies_nothing(tmp_path):
-    script = textwrap.dedent(
+    modules = _optimized_hlo_modules(
         """
         import torch, torch_xla, donate_backend
         dev = torch_xla.device()
@@ -166,19 +181,42 @@ def test_optimized_hlo_aliases_donors_and_copies_nothing(tmp_path):
         sgd(p, m, g)
         torch_xla.sync()
         print(float(p.sum().cpu()))
-        """
+        """,
+        tmp_path,
     )
-    env = dict(os.environ, PJRT_DEVICE="CPU", XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text")
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    modules = [p.read_text() for p in pathlib.Path(tmp_path).glob("*after_optimizations.txt")]
     (text,) = [t for t in modules if "input_output_alias" in t]
-    alias = re.search(r"input_output_alias=\{(.*?)\}, entry", text).group(1)
-    assert len(re.findall(r"may-alias", alias)) == 2  # p and m
-    entry = text[text.index("ENTRY"):]
-    parameters = set(re.findall(r"(%[\w.-]+) = \S+ parameter\(", entry))
-    copied = re.findall(r"copy\([^)]*?(%[\w.-]+)\)", entry)
-    assert len(parameters) == 3 and not parameters & set(copied)  # no parameter is copied
+    aliases, parameters, copied = _aliases_and_copied_parameters(text)
+    assert aliases == 2  # p and m
+    assert len(parameters) == 3 and not copied
+
+
+def test_each_parameter_gets_its_own_buffer_back_so_xla_copies_none(tmp_path):
+    """XLA pairs donors with outputs of equal size in order; a weight paired
+    with its momentum's buffer (and the other way round) made XLA copy both:
+    21 copies in this step before the outputs were ordered to match."""
+    modules = _optimized_hlo_modules(
+        """
+        import torch, torch_xla, donate_backend
+        dev = torch_xla.device()
+        model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)]).to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(8, 32).to(dev)
+        @torch.compile(backend="donate_xla")
+        def step(x):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for _ in range(3):
+            step(x)
+            torch_xla.sync()
+        print(float(model[0].weight.sum().cpu()))
+        """,
+        tmp_path,
+    )
+    # the steady-state step donates 6 parameters and 6 momentum buffers
+    (text,) = [t for t in modules if "input_output_alias" in t and _aliases_and_copied_parameters(t)[0] == 12]
+    _, parameters, copied = _aliases_and_copied_parameters(text)
+    assert len(parameters) == 18 and not copied  # 6 gradients are read, nothing is copied
 
 
 # ---- safety: values, not just that it runs ------------------------------------

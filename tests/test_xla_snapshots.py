@@ -31,15 +31,15 @@ def forward(self, primals_1, primals_2, primals_3):
     t = torch.ops.aten.t.default(primals_1);  primals_1 = None
     addmm = torch.ops.aten.addmm.default(primals_2, primals_3, t);  primals_2 = t = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
-    sum_1 = torch.ops.aten.sum.default(relu)
-    return (sum_1, primals_3, relu)""")
-        self.assertExpectedInline(normalize_fx(backward.code), """\
-def forward(self, primals_3, relu, tangents_1):
-    detach = torch.ops.aten.detach.default(relu);  relu = None
+    detach = torch.ops.aten.detach.default(relu)
     detach_1 = torch.ops.aten.detach.default(detach);  detach = None
-    expand = torch.ops.aten.expand.default(tangents_1, [4, 2]);  tangents_1 = None
+    sum_1 = torch.ops.aten.sum.default(relu);  relu = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     detach_3 = torch.ops.aten.detach.default(detach_2);  detach_2 = None
+    return (sum_1, primals_3, detach_3)""")
+        self.assertExpectedInline(normalize_fx(backward.code), """\
+def forward(self, primals_3, detach_3, tangents_1):
+    expand = torch.ops.aten.expand.default(tangents_1, [4, 2]);  tangents_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(expand, detach_3, 0);  expand = detach_3 = None
     t_1 = torch.ops.aten.t.default(threshold_backward)
     mm = torch.ops.aten.mm.default(t_1, primals_3);  t_1 = primals_3 = None

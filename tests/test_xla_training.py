@@ -125,3 +125,20 @@ def test_transfer_metric_sees_real_uploads(xla_device):
     torch.randn(64).to(xla_device)
     delta = xla_metrics.transfer_snapshot().minus(before)
     assert delta.transfer_count >= 1 and delta.outbound_bytes >= 256
+
+
+def test_forward_saves_weights_not_copies_of_their_transposes(xla_device, monkeypatch):
+    """Every XLA output is a buffer of its own, so a saved ``t(weight)`` would be a
+    full copy of the weight held until backward; the backward must get the weight."""
+    from xla_capture import capture_graphs
+
+    captured = capture_graphs(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 24)).to(xla_device)
+    step = torch.compile(lambda x: model(x).square().sum(), backend="donate_xla")
+    step(torch.randn(8, 32).to(xla_device)).backward()
+    forward, _ = captured["forward"]
+    output_node = next(n for n in forward.graph.nodes if n.op == "output")
+    saved_shapes = {tuple(n.meta["val"].shape) for n in output_node.args[0][1:] if isinstance(n, torch.fx.Node)}
+    transposed = {(32, 48), (48, 24)}
+    assert saved_shapes and not saved_shapes & transposed, saved_shapes
+    assert {(48, 32), (24, 48)} & saved_shapes  # what the backward reads instead
