@@ -219,6 +219,17 @@ def test_each_parameter_gets_its_own_buffer_back_so_xla_copies_none(tmp_path):
     assert len(parameters) == 18 and not copied  # 6 gradients are read, nothing is copied
 
 
+def test_donor_order_is_refined_until_it_settles():
+    from donate_backend.xla.lower import settle_donor_order
+
+    assert settle_donor_order(lambda order: [2, 0], 4) == ([2, 0, 1, 3], True)
+    assert settle_donor_order(lambda order: [], 3) == ([0, 1, 2], True)  # no donors: order kept
+    # a parameter order that flips with every result order never settles: reported, not looped on
+    flipping = lambda order: [1, 0] if order[0] == 0 else [0, 1]  # noqa: E731
+    order, settled = settle_donor_order(flipping, 3)
+    assert not settled and sorted(order) == [0, 1, 2]
+
+
 # ---- safety: values, not just that it runs ------------------------------------
 
 
@@ -446,3 +457,19 @@ def test_report_snapshot_of_a_small_sgd_step(xla_device):
             donated  #2   optimizer_state float32[2] 8 B
             donated  #3   optimizer_state float32[2, 3] 24 B"""
     )
+
+
+def test_alias_count_is_known_when_the_graph_was_compiled_before(xla_device, alias_per_call):
+    """torch_xla records the count only when it compiles; after a dynamo reset the
+    same graph is found in its cache, and the count must still be reported."""
+
+    def sgd(p, m, g):
+        with torch.no_grad():
+            m.mul_(0.9).add_(g)
+            p.add_(m, alpha=-0.1)
+
+    for _ in range(2):
+        torch._dynamo.reset()
+        p, m, g = (torch.randn(16, 8).to(xla_device) for _ in range(3))
+        torch.compile(sgd, backend="donate_xla")(p, m, g)
+    assert [(donors, aliased) for _, donors, aliased in alias_per_call] == [(2, 2), (2, 2)]

@@ -3,7 +3,9 @@
 The oracle is eager PyTorch on the CPU. Eager torch_xla is also run, but it is
 not trusted: its graph cache can confuse two graphs that differ only in which
 of several same-shaped inputs an op reads (the bug donate_xla's graph
-fingerprint avoids), and over many examples it then returns wrong values.
+fingerprint avoids), and over many examples it then returns wrong values or
+fails ("Executable expected parameter 1 of size 16 but got buffer with
+incompatible size 32", seen once in a full-suite run).
 """
 import pytest
 import torch
@@ -94,9 +96,13 @@ def test_random_inplace_programs_match_eager(kinds, ops, seed):
     except RuntimeError as exc:  # eager CPU refuses in-place ops between overlapping views
         hypothesis.assume("single memory location" not in str(exc))
         raise
-    eager_xla = _reference(program, kinds, seed, device)
-    if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(expected, eager_xla)):
-        hypothesis.event("eager torch_xla itself deviated from the CPU")
+    try:
+        eager_xla = _reference(program, kinds, seed, device)
+    except RuntimeError:  # the same cache confusion can make eager torch_xla run a graph on wrong-sized buffers
+        hypothesis.event("eager torch_xla itself failed")
+    else:
+        if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(expected, eager_xla)):
+            hypothesis.event("eager torch_xla itself deviated from the CPU")
 
     base_c, slots_c = make_inputs(kinds, device, seed)
     before = snapshot(base_c, slots_c)

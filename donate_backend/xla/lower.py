@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from typing import Any, Optional, Sequence
 
 import torch
@@ -26,6 +27,8 @@ from .placeholders import (
     tensor_id,
     tracing_settings,
 )
+
+log = logging.getLogger("donate_xla")
 
 _LOWERABLE_KEYS = ("XLA", "CompositeImplicitAutograd", "CompositeExplicitAutograd")
 
@@ -303,7 +306,9 @@ def _describe_and_compile(gm, holders, traced, host_scalars, donors, keep_hlo_te
         return LoweredGraph(None, (), writebacks, tuple(slots), (), 0, None)
 
     holder_by_id = {tensor_id(holders[i]): i for i in tensor_inputs}
-    order = _results_order_pairing_donors(results, writebacks, donors, holder_by_id)
+    order = _results_order_pairing_donors(
+        results, writebacks, donors, holder_by_id, [holders[i] for i in tensor_inputs]
+    )
     results, writebacks, slots = _reorder_results(order, results, writebacks, slots)
     results.append(_fingerprint_output(fingerprint, torch_xla.device()))
     graph_hash = XLAC._get_graph_hash(results)
@@ -318,12 +323,26 @@ def _describe_and_compile(gm, holders, traced, host_scalars, donors, keep_hlo_te
         else:
             params.append(HloParam("constant", constant=value))
     hlo_text = XLAC._get_xla_tensors_hlo(results) if keep_hlo_text else None
-    aliases_before = metrics.alias_count_total()[1]
-    XLAC._xla_warm_up_cache(results, [])
-    aliased = int(metrics.alias_count_total()[1] - aliases_before)
+    aliased = _compile_into_cache(results, graph_hash)
     return LoweredGraph(
         graph_hash, tuple(params), writebacks, tuple(slots), donors, 0, None, hlo_text, aliased
     )
+
+
+# torch_xla compiles a graph hash once per process (until its cache evicts it) and
+# records InputOutputAliasCount only then; a later lowering of the same graph
+# (after torch._dynamo.reset(), or a switch flipped back) finds it compiled.
+_alias_count_of_hash: dict = {}
+
+
+def _compile_into_cache(results: list, graph_hash) -> int:
+    """Compile without running; return the number of donors XLA aliased."""
+    samples_before, aliases_before = metrics.alias_count_total()
+    XLAC._xla_warm_up_cache(results, [])
+    samples_after, aliases_after = metrics.alias_count_total()
+    if samples_after > samples_before:
+        _alias_count_of_hash[graph_hash] = int(aliases_after - aliases_before)
+    return _alias_count_of_hash.get(graph_hash, 0)
 
 
 def donors_first(donor_results: Sequence[int], result_count: int) -> list[int]:
@@ -333,7 +352,7 @@ def donors_first(donor_results: Sequence[int], result_count: int) -> list[int]:
     return list(donor_results) + [i for i in range(result_count) if i not in chosen]
 
 
-def _results_order_pairing_donors(results, writebacks, donors, holder_by_id, rounds: int = 4) -> list[int]:
+def _results_order_pairing_donors(results, writebacks, donors, holder_by_id, placeholders) -> list[int]:
     """Order the results so that XLA pairs each donor with its own new value.
 
     XLA's buffer-donor pass (OptimizeInputOutputBufferAlias) pairs donors and
@@ -341,23 +360,34 @@ def _results_order_pairing_donors(results, writebacks, donors, holder_by_id, rou
     parameters with the k-th output. When a parameter and its same-shaped
     momentum are paired the other way round, XLA must copy both to keep the old
     values readable, which cost 150 MiB of temporaries in a 52M-parameter SGD
-    step. The parameter order follows the traversal of the results, so the
-    order is refined until it is stable (a few rounds at most in practice).
+    step.
     """
     donor_set = set(donors)
     result_of_input = {i: r for i, r in writebacks if i in donor_set}
-    order = list(range(len(results)))
-    for _ in range(rounds):
-        param_ids, _ = XLAC._get_tensors_xla_device_data_node([results[i] for i in order])
-        donor_results = [
-            result_of_input[holder_by_id[pid]]
-            for pid in param_ids
-            if holder_by_id.get(pid) in result_of_input
-        ]
-        if order[: len(donor_results)] == donor_results:
-            break
-        order = donors_first(donor_results, len(results))
+
+    def donor_results_in_parameter_order(order: list[int]) -> list[int]:
+        # passing the placeholders back keeps torch_xla from wrapping their data in new tensors
+        param_ids, _ = XLAC._get_tensors_xla_device_data_node([results[i] for i in order], placeholders)
+        inputs = (holder_by_id.get(pid) for pid in param_ids)
+        return [result_of_input[i] for i in inputs if i in result_of_input]
+
+    order, stable = settle_donor_order(donor_results_in_parameter_order, len(results))
+    if not stable:
+        log.debug("donor order did not settle; XLA may copy some donors (memory only, values are right)")
     return order
+
+
+def settle_donor_order(donor_results_in_parameter_order, result_count: int, rounds: int = 4):
+    """Put the donors' results first in the order their donors take among the
+    HLO parameters. That order follows the traversal of the results, so it is
+    refined until it no longer changes. Returns (order, whether it settled)."""
+    order = list(range(result_count))
+    for _ in range(rounds):
+        donor_results = donor_results_in_parameter_order(order)
+        if order[: len(donor_results)] == donor_results:
+            return order, True
+        order = donors_first(donor_results, result_count)
+    return order, False
 
 
 def _reorder_results(order: list[int], results: list, writebacks: tuple, slots: list):
