@@ -1,16 +1,29 @@
 """Peak memory of a training step: donate_xla vs openxla vs openxla with donors flagged by hand.
 
-Each backend runs `--repeats` times (default 3), interleaved, each in a fresh
-process; the figures are medians over the repeats, with their range. (compiles, creates optimizer state) the process samples its RSS every 5 ms over `--steps` steps.
-On XLA:CPU device buffers live in host memory, so RSS growth is device memory
-growth. Reported per backend:
-  - peak RSS growth over the steps (peak - RSS before the first measured step)
-  - state buffers reused per step: parameters and optimizer-state tensors whose
-    new device address is one of the old ones (buffer-donor semantics let XLA
-    give a parameter the old buffer of a same-shaped momentum, so sets compare)
-  - median step time
-The floor is what a step must allocate however it is compiled: the gradients
-plus the activations saved for backward (computed from the model, see below).
+Each backend runs `--repeats` times (default 5), interleaved, each in a fresh
+process; the figures are medians over the repeats, with their range. After two
+warm-up steps (compiles, creates optimizer state) the process samples its RSS
+every 5 ms over `--steps` steps. On XLA:CPU device buffers live in host memory,
+so RSS is device memory. Every configuration runs under two allocator settings:
+
+  - glibc: the default malloc, as a user runs it. Reported: peak RSS growth over
+    the steps (peak - RSS before the first measured step). It includes what the
+    allocator keeps after a free (fragmentation), which is real memory the
+    process holds, but it varies a lot from run to run.
+  - live: MALLOC_MMAP_THRESHOLD_=65536, so every buffer of 64 KiB or more is its
+    own mapping, given back to the OS when freed, and RSS follows the live
+    bytes. Reported: peak - trough (the least RSS during the steps, when only
+    the parameters and optimizer state are live): what a step needs on top of
+    its persistent state. Stable to a few MiB.
+
+Also reported: state buffers reused per step (parameters and optimizer-state
+tensors whose new device address is one of the old ones; buffer-donor semantics
+let XLA give a parameter the old buffer of a same-shaped momentum, so sets are
+compared) and the median step time (from the glibc runs).
+The floor is what a step must hold at its peak however it is compiled: the
+gradients plus the activations saved for backward, measured as the bytes of
+donate_xla's backward inputs that are neither parameters nor incoming
+gradients (openxla's default partitioner saves more: transposed weights too).
 Writes docs/donation_rss.png (RSS over the steps). Run: `make bench`.
 """
 from __future__ import annotations
@@ -23,17 +36,35 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 BACKENDS = ("donate_xla", "openxla", "openxla_flagged")
+ALLOCATORS = {"glibc": {}, "live": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+FIGURE = {"glibc": "peak_growth", "live": "transient"}  # the growth each setting reports
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
 
 
-def activation_bytes(model_name: str) -> int:
-    """Bytes of activations saved for backward, from the model's shapes (fp32)."""
-    if model_name == "mlp50m_sgd":
-        batch, width, depth = 64, 2560, 8
-        return 4 * batch * width * (depth + 1)  # each layer saves its input (relu output)
-    batch, seq, width, depth, heads, vocab = 8, 128, 512, 6, 8, 8192
-    per_block = 4 * batch * seq * (16 * width) + 4 * batch * heads * seq * seq * 2
-    return depth * per_block + 4 * batch * seq * (vocab + width)
+def saved_activation_bytes(backward_gm) -> int:
+    """Bytes of a backward graph's inputs that the forward saved for it."""
+    total = 0
+    for node in backward_gm.graph.nodes:
+        if node.op != "placeholder" or node.name.startswith(("primals_", "tangents_")):
+            continue
+        value = node.meta.get("val")
+        if hasattr(value, "untyped_storage"):
+            total += value.numel() * value.element_size()
+    return total
+
+
+def record_saved_activations(sink: list) -> None:
+    """Make the XLA path report the saved-activation bytes of every backward it compiles."""
+    import donate_backend.xla as xla_path
+
+    original = xla_path.compile_graph
+
+    def recording(gm, example_inputs, ctx):
+        if ctx.kind == "backward":
+            sink.append(saved_activation_bytes(gm))
+        return original(gm, example_inputs, ctx)
+
+    xla_path.compile_graph = recording
 
 
 def worker(model_name: str, backend: str, steps: int) -> dict:
@@ -47,6 +78,9 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
     XLAC = torch_xla._XLAC
     device = torch_xla.device()
     model, opt, step, (x, y) = build(model_name, device)
+    saved_bytes: list = []
+    if backend == "donate_xla":
+        record_saved_activations(saved_bytes)
     if backend == "openxla_flagged":
         import torch_xla.experimental.dynamo_set_buffer_donor  # noqa: F401
 
@@ -84,34 +118,63 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
         model=model_name,
         backend=backend,
         peak_growth=sampler.peak - rss_before,
+        transient=sampler.peak - sampler.trough,
         state_buffers=len(state),
         reused=reused,
         step_s=median(times),
-        floor=grad_bytes + activation_bytes(model_name),
         grad_bytes=grad_bytes,
-        rss=[(t, r - rss_before) for t, r in sampler.samples[::4]],
+        saved_bytes=sum(saved_bytes) if saved_bytes else None,  # one backward per dynamo graph
+        rss=[(t, r - sampler.trough) for t, r in sampler.samples[::4]],
     )
 
 
 def plot(rows: list, path: str) -> None:
+    """One panel per (model, allocator setting): RSS above the trough over the steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4), squeeze=False)
-    for ax, result in zip(axes[0], rows):
-        for backend in BACKENDS:
-            r = result[backend]
-            ax.plot([t for t, _ in r["rss"]], [m / 2**20 for _, m in r["rss"]], label=backend)
-        floor = result["donate_xla"]["floor"] / 2**20
-        ax.axhline(floor, color="gray", linestyle="--", label="floor (grads + activations)")
-        ax.set_title(result["donate_xla"]["model"])
-        ax.set_xlabel("seconds into the measured steps")
-        ax.set_ylabel("RSS above the start (MiB)")
-        ax.legend()
+    fig, axes = plt.subplots(len(rows), len(ALLOCATORS), figsize=(6 * len(ALLOCATORS), 4 * len(rows)), squeeze=False)
+    for ax_row, (model_name, floor, runs_by_allocator) in zip(axes, rows):
+        for ax, allocator in zip(ax_row, ALLOCATORS):
+            for backend in BACKENDS:
+                r = runs_by_allocator[allocator][backend][0]
+                ax.plot([t for t, _ in r["rss"]], [m / 2**20 for _, m in r["rss"]], label=backend)
+            ax.axhline(floor / 2**20, color="gray", linestyle="--", label="floor (grads + saved activations)")
+            ax.set_title(f"{model_name}, {allocator} allocator")
+            ax.set_xlabel("seconds into the measured steps")
+            ax.set_ylabel("RSS above the least RSS of the run (MiB)")
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def print_table(model_name: str, runs_by_allocator: dict, floor: int, summary: list) -> None:
+    from xla_common import summarize
+
+    mib = lambda b: b / 2**20  # noqa: E731
+    glibc = runs_by_allocator["glibc"]
+    ref_step = summarize(glibc["openxla"], "step_s")[0]
+    print(f"{'backend':16}{'allocator':>10}{'growth MiB':>24}{'x openxla':>11}{'x floor':>9}"
+          f"{'reused/state':>14}{'step s':>9}{'x openxla':>11}")
+    for allocator, runs in runs_by_allocator.items():
+        figure = FIGURE[allocator]
+        ref = summarize(runs["openxla"], figure)[0]
+        for backend in BACKENDS:
+            growth, lo, hi = summarize(runs[backend], figure)
+            step = summarize(glibc[backend], "step_s")[0]
+            reused = summarize(runs[backend], "reused")[0]
+            state = runs[backend][0]["state_buffers"]
+            print(
+                f"{backend:16}{allocator:>10}{mib(growth):>8.1f} [{mib(lo):>5.0f}-{mib(hi):<5.0f}]"
+                f"{growth / ref:>11.2f}{growth / floor:>9.2f}{reused:>8.0f}/{state:<5d}"
+                f"{step:>9.3f}{step / ref_step:>11.2f}"
+            )
+            summary.append(dict(model=model_name, backend=backend, allocator=allocator, growth=growth,
+                                growth_min=lo, growth_max=hi, x_openxla=growth / ref, x_floor=growth / floor,
+                                step_s=step, x_openxla_step=step / ref_step, reused=reused,
+                                state_buffers=state, floor=floor))
 
 
 def main() -> None:
@@ -119,37 +182,28 @@ def main() -> None:
 
     parser = bench_arguments(__doc__.splitlines()[0])
     parser.add_argument("--plot", default=os.path.join(DOCS, "donation_rss.png"))
+    parser.set_defaults(repeats=5)  # glibc RSS growth of one run is bimodal; 5 give a steadier median
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker, args.steps)))
         return
 
-    from xla_common import run_repeated, summarize, write_json
+    from xla_common import run_repeated, write_json
 
     mib = lambda b: b / 2**20  # noqa: E731
     rows, summary = [], []
     for model_name in args.models.split(","):
-        runs = run_repeated(__file__, model_name, BACKENDS, args.repeats, "--steps", str(args.steps))
-        rows.append({b: runs[b][0] for b in BACKENDS})  # the plot shows the first repeat
-        ref_peak = summarize(runs["openxla"], "peak_growth")[0]
-        ref_step = summarize(runs["openxla"], "step_s")[0]
-        first = runs["donate_xla"][0]
+        runs_by_allocator = {
+            allocator: run_repeated(__file__, model_name, BACKENDS, args.repeats, "--steps", str(args.steps), env=env)
+            for allocator, env in ALLOCATORS.items()
+        }
+        first = runs_by_allocator["live"]["donate_xla"][0]
+        floor = first["grad_bytes"] + first["saved_bytes"]
+        rows.append((model_name, floor, runs_by_allocator))
         print(f"\n== {model_name}: {args.steps} steps x {args.repeats} repeats (medians, [min-max]); floor "
-              f"{mib(first['floor']):.0f} MiB (grads {mib(first['grad_bytes']):.0f} + activations "
-              f"{mib(first['floor'] - first['grad_bytes']):.0f})")
-        print(f"{'backend':18}{'peak growth MiB':>26}{'x openxla':>11}{'x floor':>9}{'reused/state':>14}{'step s':>9}{'x openxla':>11}")
-        for backend in BACKENDS:
-            peak, lo, hi = summarize(runs[backend], "peak_growth")
-            step = summarize(runs[backend], "step_s")[0]
-            reused = summarize(runs[backend], "reused")[0]
-            state = runs[backend][0]["state_buffers"]
-            print(
-                f"{backend:18}{mib(peak):>10.1f} [{mib(lo):>6.0f}-{mib(hi):<6.0f}]"
-                f"{peak / ref_peak:>11.2f}{peak / first['floor']:>9.2f}{reused:>8.0f}/{state:<5d}"
-                f"{step:>9.3f}{step / ref_step:>11.2f}"
-            )
-            summary.append(dict(model=model_name, backend=backend, peak_growth=peak, peak_min=lo, peak_max=hi,
-                                step_s=step, reused=reused, state_buffers=state, floor=first["floor"]))
+              f"{mib(floor):.0f} MiB (grads {mib(first['grad_bytes']):.0f} + saved activations "
+              f"{mib(first['saved_bytes']):.0f})")
+        print_table(model_name, runs_by_allocator, floor, summary)
     if args.plot:
         plot(rows, args.plot)
         print(f"\nplot: {args.plot}")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -146,14 +147,18 @@ class RssSampler:
     def peak(self) -> int:
         return max(r for _, r in self.samples)
 
+    @property
+    def trough(self) -> int:
+        return min(r for _, r in self.samples)
+
 
 def median(values) -> float:
     return statistics.median(values)
 
 
-def run_worker(script: str, *args: str, timeout: int = 1200) -> dict:
+def run_worker(script: str, *args: str, timeout: int = 1200, env: Optional[dict] = None) -> dict:
     """Run ``script`` in a fresh interpreter; it prints one JSON line last."""
-    env = dict(os.environ, PJRT_DEVICE="CPU")
+    env = dict(os.environ, PJRT_DEVICE="CPU", **(env or {}))
     out = subprocess.run(
         [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -162,12 +167,14 @@ def run_worker(script: str, *args: str, timeout: int = 1200) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_repeated(script: str, model_name: str, backends, repeats: int, *extra: str) -> dict:
+def run_repeated(
+    script: str, model_name: str, backends, repeats: int, *extra: str, env: Optional[dict] = None
+) -> dict:
     """Each backend ``repeats`` times, interleaved (a, b, c, a, b, c, ...), fresh processes."""
     runs = {b: [] for b in backends}
     for _ in range(repeats):
         for backend in backends:
-            runs[backend].append(run_worker(script, "--worker", model_name, backend, *extra))
+            runs[backend].append(run_worker(script, "--worker", model_name, backend, *extra, env=env))
     return runs
 
 
