@@ -145,3 +145,23 @@ def test_graphs_differing_only_in_which_input_is_read_do_not_share_code(xla_devi
         out = torch.compile(fn, backend="donate_xla")(*args)
         torch.testing.assert_close(out.cpu(), expected_out)
         torch.testing.assert_close(args[1].cpu(), expected_b)
+
+
+def test_without_the_min_cut_partitioner_the_default_one_is_used(monkeypatch, caplog):
+    """Guard of a private torch API: if it is gone, the default partitioner is used, with a warning."""
+    import builtins
+
+    import donate_backend.xla as xla_path
+
+    real_import = builtins.__import__
+
+    def no_partitioners(name, *args, **kwargs):
+        if name == "torch._functorch.partitioners":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    assert "partition_fn" in xla_path.aot_options()
+    monkeypatch.setattr(builtins, "__import__", no_partitioners)
+    with caplog.at_level(logging.WARNING, logger="donate_xla"):
+        assert xla_path.aot_options() == {}
+    assert "min-cut partitioner" in caplog.text

@@ -1,9 +1,13 @@
 """XLA path: abstract lowering with automatic buffer donation (needs torch_xla)."""
 from __future__ import annotations
 
+import logging
+
 from ..analysis.aliasing import overlapping_inputs_written
 from ..errors import UnsupportedGraphError
 from .compiler import compile_graph
+
+log = logging.getLogger("donate_xla")
 
 
 def aot_options() -> dict:
@@ -14,8 +18,14 @@ def aot_options() -> dict:
     copy of its weight, held from forward to backward (175 MiB on a
     52M-parameter MLP). Min-cut recomputes such views in backward instead.
     """
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
+    try:  # private torch API, present in 2.9 through 2.13
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+    except ImportError:
+        log.warning(
+            "donate_xla: torch has no min-cut partitioner here; the XLA forward will save "
+            "transposed weights for backward (more memory, same results)"
+        )
+        return {}
     return {"partition_fn": min_cut_rematerialization_partition}
 
 
