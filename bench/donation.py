@@ -53,18 +53,15 @@ def saved_activation_bytes(backward_gm) -> int:
     return total
 
 
-def record_saved_activations(sink: list) -> None:
-    """Make the XLA path report the saved-activation bytes of every backward it compiles."""
-    import donate_backend.xla as xla_path
+def saved_activations_of_compiled_backwards() -> int:
+    """Saved-activation bytes of every backward graph donate_xla compiled (from its records)."""
+    import donate_backend
 
-    original = xla_path.compile_graph
-
-    def recording(gm, example_inputs, ctx):
-        if ctx.kind == "backward":
-            sink.append(saved_activation_bytes(gm))
-        return original(gm, example_inputs, ctx)
-
-    xla_path.compile_graph = recording
+    return sum(
+        saved_activation_bytes(r.lowered.traced.gm)
+        for r in donate_backend.reports()
+        if r.path == "xla" and r.kind == "backward" and r.lowered is not None
+    )
 
 
 def worker(model_name: str, backend: str, steps: int) -> dict:
@@ -78,9 +75,6 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
     XLAC = torch_xla._XLAC
     device = torch_xla.device()
     model, opt, step, (x, y) = build(model_name, device)
-    saved_bytes: list = []
-    if backend == "donate_xla":
-        record_saved_activations(saved_bytes)
     if backend == "openxla_flagged":
         import torch_xla.experimental.dynamo_set_buffer_donor  # noqa: F401
 
@@ -123,7 +117,7 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
         reused=reused,
         step_s=median(times),
         grad_bytes=grad_bytes,
-        saved_bytes=sum(saved_bytes) if saved_bytes else None,  # one backward per dynamo graph
+        saved_bytes=saved_activations_of_compiled_backwards() if backend == "donate_xla" else None,
         rss=[(t, r - sampler.trough) for t, r in sampler.samples[::4]],
     )
 

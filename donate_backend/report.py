@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 log = logging.getLogger("donate_xla")
 
@@ -53,6 +53,9 @@ class GraphRecord:
     buffers_reused: Optional[int] = None
     bucket_grads: Optional[int] = None
     bucket_bytes: Optional[int] = None
+    # XLA path: the lowered graph (``xla.lower.LoweredGraph``); ``lowered.traced`` is
+    # the traced stage. Each prints itself with ``as_text()``.
+    lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:

@@ -10,7 +10,8 @@ pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
 
 if HAS_TORCH_XLA:
     from donate_backend.errors import UnsupportedGraphError
-    from donate_backend.xla.lower import has_xla_lowering, lower
+    from donate_backend.xla.lower import lower
+    from donate_backend.xla.trace import has_xla_lowering
 
 
 def test_op_without_xla_lowering_is_named(xla_device):
@@ -85,23 +86,36 @@ def test_xla_compile_failure_is_reported_and_frees_placeholders(xla_device, monk
     def failing_compile(*args, **kwargs):
         raise RuntimeError("INTERNAL: something XLA did not like")
 
-    monkeypatch.setattr(lower_module, "_describe_and_compile", failing_compile)
+    monkeypatch.setattr(lower_module, "_compile_into_cache", failing_compile)
     f = torch.compile(lambda t: t * 3, backend="donate_xla")
     with pytest.raises(Exception) as info:
         f(torch.randn(4).to(xla_device))
     message = str(info.value)
     assert re.search(r"graph \d+ inference: XLA could not compile the graph: RuntimeError: INTERNAL", message)
     assert "DONATE_XLA_DEBUG=1" in message
+    ours = _find_in_chain(info.value, UnsupportedGraphError)
+    assert ours is not None and isinstance(ours.__cause__, RuntimeError)  # the original, chained
+    assert "something XLA did not like" in str(ours.__cause__)
     torch_xla.sync()  # a placeholder left alive here would crash the process
     x = torch.ones(3).to(xla_device) * 2
     torch.testing.assert_close(x.cpu(), torch.full((3,), 2.0))
+
+
+def _find_in_chain(exc, kind):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def test_tensor_with_a_symbolic_size_is_rejected_with_advice():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    from donate_backend.xla.lower import check_inputs
+    from donate_backend.xla.trace import check_inputs
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     dynamic_rows = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])

@@ -7,23 +7,19 @@ from conftest import HAS_TORCH_XLA
 
 if HAS_TORCH_XLA:
     from donate_backend.xla.lower import lower
-    from xla_capture import capture_graphs, normalize_fx, normalize_hlo
+    from xla_capture import compiled_graphs, normalize_fx, normalize_hlo
 
 
 @pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
 class TestSnapshots(expecttest.TestCase):
-    @pytest.fixture(autouse=True)
-    def _monkeypatch(self, monkeypatch):
-        self.monkeypatch = monkeypatch
-
     def test_aot_forward_and_backward_graphs(self):
         import torch_xla
 
-        captured = capture_graphs(self.monkeypatch)
         torch.manual_seed(0)
         layer = torch.nn.Linear(3, 2).to(torch_xla.device())
         step = torch.compile(lambda x: torch.relu(layer(x)).sum(), backend="donate_xla")
         step(torch.randn(4, 3).to(torch_xla.device())).backward()
+        captured = compiled_graphs()
         forward, _ = captured["forward"]
         backward, _ = captured["backward"]
         self.assertExpectedInline(normalize_fx(forward.code), """\
@@ -52,7 +48,6 @@ def forward(self, primals_3, detach_3, tangents_1):
     def test_functional_graph_and_hlo_of_an_sgd_update(self):
         import torch_xla
 
-        captured = capture_graphs(self.monkeypatch)
         device = torch_xla.device()
         param, grad = torch.randn(4).to(device), torch.randn(4).to(device)
 
@@ -62,7 +57,7 @@ def forward(self, primals_3, detach_3, tangents_1):
                 p.add_(g, alpha=-0.5)
 
         sgd(param, grad)
-        gm, inputs = captured["inference"]
+        gm, inputs = compiled_graphs()["inference"]
         lowered = lower(gm, inputs, donors=[0], graph_name="snapshot", keep_hlo_text=True)
         self.assertExpectedInline(normalize_fx(gm.code), """\
 def forward(self, arg0_1, arg1_1):

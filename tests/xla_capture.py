@@ -1,21 +1,18 @@
-"""Test helper: capture the FX graphs and inputs the XLA path compiles."""
+"""Test helper: the FX graphs the XLA path compiled, read from the graph records."""
 from __future__ import annotations
 
 import re
 
-import donate_backend.xla as xla_path
+import donate_backend
 
 
-def capture_graphs(monkeypatch) -> dict:
-    """Record ``{kind: (gm, example_inputs)}`` for every graph the XLA path compiles."""
+def compiled_graphs() -> dict:
+    """``{kind: (gm, example_inputs)}`` of the graphs compiled so far (last one per kind)."""
     captured = {}
-    original = xla_path.compile_graph
-
-    def recording(gm, example_inputs, ctx):
-        captured[ctx.kind] = (gm, list(example_inputs))
-        return original(gm, example_inputs, ctx)
-
-    monkeypatch.setattr(xla_path, "compile_graph", recording)
+    for record in donate_backend.reports():
+        if record.path == "xla" and record.lowered is not None:
+            traced = record.lowered.traced
+            captured[record.kind] = (traced.gm, list(traced.example_inputs))
     return captured
 
 

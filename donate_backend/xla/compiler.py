@@ -1,7 +1,9 @@
 """The XLA path's compiler: analysis -> donor set -> lowering -> executable.
 
-Each graph is lowered once per switch setting. The returned callable checks
-``config.cache_key()`` on every call, so flipping a switch recompiles.
+Each graph is lowered once per switch setting (``builds.BuildsPerSetting``):
+the returned callable picks the build for the switches in force on every
+call, so flipping a switch recompiles instead of reusing code built under the
+other setting.
 """
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ import torch
 
 from .. import config, report
 from ..analysis import aliasing, mutation
-from .lower import LoweredGraph, check_inputs, flatten_outputs, lower
+from ..builds import BuildsPerSetting
+from . import metrics
+from .lower import LoweredGraph, lower
 from .runtime import XlaExecutable
+from .trace import check_inputs, output_nodes
 
 _warned_unusable: set[str] = set()
 
@@ -52,11 +57,7 @@ def choose_donors(gm, example_inputs, ctx, roles) -> tuple[list[int], list]:
         elif i in reaching:
             reasons[i] = aliasing.classify_output_use(reaching[i], num_user_outputs)
     donors = [i for i in candidates if i not in reasons]
-    output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    metas = [
-        n.meta.get("val") if isinstance(n, torch.fx.Node) else None
-        for n in flatten_outputs(output_node.args[0])
-    ]
+    metas = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in output_nodes(gm)]
     metas += [example_inputs[i] for i in candidates]  # the written-back new values
     for i in aliasing.outputs_without_slot(donors, example_inputs, metas):
         reasons[i] = aliasing.NO_MATCHING_OUTPUT
@@ -97,22 +98,19 @@ def _donation_record(example_inputs, donors, roles, kind) -> list:
 
 
 class SwitchAwareExecutable:
-    """Holds one ``XlaExecutable`` per switch setting; picks by ``config.cache_key()``."""
+    """The boxed callable aot_autograd gets: the ``XlaExecutable`` built for the
+    switches in force."""
 
-    def __init__(self, build):
+    def __init__(self, builds: BuildsPerSetting):
         # An instance attribute: dynamo's disable() wrapper copies __dict__ only.
         self._boxed_call = True
-        self._build = build
-        self._by_key: dict[tuple, XlaExecutable] = {}
+        self._builds = builds
 
     def executable(self) -> XlaExecutable:
-        key = config.cache_key()
-        if key not in self._by_key:
-            self._by_key[key] = self._build()
-        return self._by_key[key]
+        return self._builds.current()
 
     def __call__(self, args):
-        return self.executable()(args)
+        return self._builds.current()(args)
 
 
 def compile_graph(gm, example_inputs, ctx):
@@ -120,16 +118,16 @@ def compile_graph(gm, example_inputs, ctx):
     roles = tuple(getattr(ctx, "input_roles", ()) or ())
     donors, exclusions = choose_donors(gm, example_inputs, ctx, roles)
 
-    def build() -> XlaExecutable:
-        settings = config.current()
+    def build(settings: config.Settings) -> XlaExecutable:
         active = donors if settings.donation else []
 
         def relower(donate: bool) -> LoweredGraph:
             return lower(gm, example_inputs, active if donate else [], ctx.name)
 
-        start = time.perf_counter()
+        start, before = time.perf_counter(), metrics.transfer_snapshot()
         lowered = relower(True)
         seconds = time.perf_counter() - start
+        transfers = metrics.transfer_snapshot().minus(before)
         report.add(
             report.GraphRecord(
                 graph_id=ctx.graph_id,
@@ -138,16 +136,17 @@ def compile_graph(gm, example_inputs, ctx):
                 path="xla",
                 num_inputs=len(example_inputs),
                 compile_seconds=seconds,
-                transfers_count=lowered.transfers.transfer_count,
-                transfers_bytes=int(lowered.transfers.outbound_bytes),
+                transfers_count=transfers.transfer_count,
+                transfers_bytes=int(transfers.outbound_bytes),
                 constants_uploaded=lowered.constants_uploaded,
-                donated=_donation_record(example_inputs, active, roles, ctx.kind),
+                donated=_donation_record(example_inputs, lowered.donors, roles, ctx.kind),
                 excluded=list(exclusions),
                 donation_enabled=settings.donation,
+                lowered=lowered,
             )
         )
         return XlaExecutable(ctx.name, lowered, relower)
 
-    executable = SwitchAwareExecutable(build)
+    executable = SwitchAwareExecutable(BuildsPerSetting(build))
     executable.executable()  # compile now, under the settings in force
     return executable

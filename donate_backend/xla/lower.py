@@ -1,199 +1,70 @@
 """Lowering: an FX graph and fake inputs -> compiled HLO in torch_xla's cache.
 
-The graph runs on placeholder tensors (no device data), so compiling sends no
-bytes to the device. Donor placeholders are flagged before the graph mutates
-them. The result, ``LoweredGraph``, says how to feed the HLO parameters and
-how to turn its results into the graph's outputs and input write-backs.
-Every placeholder-derived tensor is dropped before ``lower`` returns.
+Three stages, each with an artefact you can print:
+
+1. ``trace``: the graph runs on placeholder tensors (no device data, so
+   nothing is sent to the device); donors are flagged first
+   (``TracedGraph``);
+2. ``plan``: which traced tensors become HLO results, in an order that pairs
+   each donor with its own new value, and what feeds each HLO parameter,
+   checked against the graph's inputs;
+3. compile into torch_xla's computation cache without running anything
+   (``LoweredGraph``: hash, parameter and result tables, HLO text on request).
+
+Every placeholder-derived tensor is dropped before ``lower`` returns, also
+when it fails: a live one would crash the process at the next
+``torch_xla.sync()``.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import logging
-from typing import Any, Optional, Sequence
+import os
+import tempfile
+import traceback
+from typing import Optional, Sequence
 
 import torch
 import torch.fx
 import torch_xla
 
-from ..errors import UnsupportedGraphError
-from . import metrics
-from .placeholders import (
-    XLAC,
-    make_placeholder,
-    outside_fake_tracing,
-    seed_info_id,
-    tensor_id,
-    tracing_settings,
-)
+from .. import config
+from ..errors import DonateXlaError, UnsupportedGraphError
+from . import compat, metrics
+from .plan import HloParam, OutputSlot, ResultSpec, describe, plan_parameters, plan_results
+from .trace import TracedGraph, check_inputs, input_specs, meta_device, output_nodes, traced_on_placeholders
 
 log = logging.getLogger("donate_xla")
 
-_LOWERABLE_KEYS = ("XLA", "CompositeImplicitAutograd", "CompositeExplicitAutograd")
-
-
-def has_xla_lowering(op: torch._ops.OpOverload) -> bool:
-    """False for ATen ops torch_xla would run through its CPU fallback.
-
-    The fallback copies inputs to the host, which a placeholder cannot do
-    (it crashes the process), so such ops are rejected before they run.
-    """
-    if op.namespace != "aten":
-        return True
-    name = op.name()
-    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in _LOWERABLE_KEYS)
-
-
-# Ops with no XLA kernel that mean the same as one that has one.
-_EQUIVALENT_OPS = {
-    torch.ops.aten.lift_fresh_copy.default: torch.ops.aten.clone.default,
-}
-
-_HOST_READ_OPS = {
-    torch.ops.aten._local_scalar_dense.default: ".item() / a Python number read",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class HloParam:
-    """Where one HLO parameter comes from at run time."""
-
-    kind: str  # "input", "seed" or "constant"
-    input_index: int = -1
-    constant: Optional[torch.Tensor] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class OutputSlot:
-    """One graph output: a computed result, an input, or a plain value."""
-
-    kind: str  # "result", "input" or "value"
-    index: int = -1
-    value: Any = None
-    to_host: bool = False  # a host scalar the graph computes on the device
+__all__ = ["LoweredGraph", "HloParam", "OutputSlot", "lower", "check_inputs", "graph_fingerprint"]
 
 
 @dataclasses.dataclass(frozen=True)
 class LoweredGraph:
-    graph_hash: Optional[object]  # None: nothing to run on the device
-    params: tuple
+    """Stage 3: a graph compiled into torch_xla's cache, and how to run it."""
+
+    graph_name: str
+    graph_hash: Optional[bytes]  # None: nothing to run on the device
+    params: tuple  # HloParam per HLO parameter
+    results: tuple  # ResultSpec per HLO result (the fingerprint not included)
     writebacks: tuple  # (input index, result index)
-    outputs: tuple
+    outputs: tuple  # OutputSlot per graph output
     donors: tuple
-    constants_uploaded: int
-    transfers: metrics.TransferSnapshot
+    traced: Optional[TracedGraph] = None
+    constants_uploaded: int = 0
+    transfers: Optional[metrics.TransferSnapshot] = None
     hlo_text: Optional[str] = None
     aliased: int = 0  # InputOutputAliasCount torch_xla recorded when compiling
 
-
-def check_inputs(example_inputs: Sequence, graph_name: str) -> list[int]:
-    """Validate inputs; return indices of host (CPU) scalar tensors."""
-    host_scalars = []
-    for i, value in enumerate(example_inputs):
-        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise UnsupportedGraphError(
-                f"{graph_name}: input #{i} is a symbolic size ({value}); dynamic shapes are "
-                "not supported by donate_xla. Compile with torch.compile(..., dynamic=False) "
-                "or keep input shapes fixed (pad the last batch)."
-            )
-        if not isinstance(value, torch.Tensor):
-            continue
-        if any(isinstance(s, torch.SymInt) for s in value.shape):
-            raise UnsupportedGraphError(
-                f"{graph_name}: input #{i} has a dynamic shape {tuple(value.shape)}; dynamic "
-                "shapes are not supported by donate_xla. Use torch.compile(..., dynamic=False)."
-            )
-        if value.device.type == "xla":
-            continue
-        if value.device.type == "cpu" and value.numel() == 1 and value.dim() == 0:
-            host_scalars.append(i)
-            continue
-        raise UnsupportedGraphError(
-            f"{graph_name}: input #{i} is a {value.device.type} tensor of shape "
-            f"{tuple(value.shape)} in a graph on the XLA device. Move it to the XLA device "
-            "(tensor.to(torch_xla.device())) before calling the compiled function."
-        )
-    return host_scalars
-
-
-def _meta_device(node: torch.fx.Node) -> Optional[torch.device]:
-    val = node.meta.get("val")
-    return val.device if isinstance(val, torch.Tensor) else None
-
-
-class _PlaceholderTracer(torch.fx.Interpreter):
-    """Runs the graph on placeholders; host tensors are kept on the device."""
-
-    def __init__(self, gm: torch.fx.GraphModule, graph_name: str, device: torch.device):
-        super().__init__(gm, garbage_collect_values=True)
-        self.graph_name = graph_name
-        self.device = device
-        self.constants_uploaded = 0
-
-    def run_node(self, node: torch.fx.Node):
-        if node.op == "call_function":
-            self._reject_host_reads(node)
-            self._reject_unlowerable(node)
-        try:
-            return super().run_node(node)
-        except UnsupportedGraphError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - rethrown with the op's name
-            raise UnsupportedGraphError(
-                f"{self.graph_name}: op {node.target} (node {node.name!r}) could not be "
-                f"lowered to XLA: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}. "
-                "If torch_xla has no lowering for it, move that op outside the compiled "
-                "region (torch._dynamo.disable) or replace it with supported ops."
-            ) from exc
-
-    def _reject_unlowerable(self, node: torch.fx.Node) -> None:
-        target = _EQUIVALENT_OPS.get(node.target, node.target)
-        if isinstance(target, torch._ops.OpOverload) and not has_xla_lowering(target):
-            raise UnsupportedGraphError(
-                f"{self.graph_name}: op {node.target} (node {node.name!r}) has no XLA lowering "
-                "in torch_xla, so it cannot be compiled for the XLA device. Move it outside "
-                "the compiled region (wrap it in torch._dynamo.disable) or replace it with "
-                "supported ops."
-            )
-
-    def _reject_host_reads(self, node: torch.fx.Node) -> None:
-        if node.target in _HOST_READ_OPS:
-            raise UnsupportedGraphError(
-                f"{self.graph_name}: node {node.name!r} reads device data on the host "
-                f"({_HOST_READ_OPS[node.target]}) inside the compiled graph. Move the read "
-                "out of the compiled function, or let dynamo break the graph there."
-            )
-        out_device = _meta_device(node)
-        if out_device is None or out_device.type != "cpu":
-            return
-        for arg in node.all_input_nodes:
-            arg_device = _meta_device(arg)
-            if arg_device is not None and arg_device.type == "xla":
-                raise UnsupportedGraphError(
-                    f"{self.graph_name}: node {node.name!r} ({node.target}) copies an XLA "
-                    "tensor to the host (.cpu() / .to('cpu')) inside the compiled graph. "
-                    "Do that after the compiled function returns."
-                )
-
-    def call_function(self, target, args, kwargs):
-        target = _EQUIVALENT_OPS.get(target, target)
-        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
-            kwargs = {**kwargs, "device": self.device}
-        return super().call_function(target, args, kwargs)
-
-    def get_attr(self, target, args, kwargs):
-        value = super().get_attr(target, args, kwargs)
-        if isinstance(value, torch.Tensor) and value.device.type != "xla":
-            self.constants_uploaded += 1
-            value = value.to(self.device)
-        return value
-
-
-def flatten_outputs(out) -> list:
-    if isinstance(out, (list, tuple)):
-        return list(out)
-    return [out]
+    def as_text(self) -> str:
+        head = f"{self.graph_name}: lowered"
+        if self.graph_hash is None:
+            head += " (nothing to run on the device)"
+        lines = [head, describe(self.params, self.results, self.writebacks, self.outputs, self.donors)]
+        if self.hlo_text:
+            lines += ["hlo:", self.hlo_text.strip()]
+        return "\n".join(lines)
 
 
 def lower(
@@ -203,53 +74,97 @@ def lower(
     graph_name: str,
     keep_hlo_text: bool = False,
 ) -> LoweredGraph:
-    """Trace ``gm`` on placeholders, compile it, and describe how to run it.
+    """Trace ``gm`` on placeholders, plan its results and parameters, compile it.
 
-    If tracing fails, the error is raised afresh once every placeholder-derived
-    tensor is gone: a traceback that kept one alive would crash the process at
-    the next ``torch_xla.sync()``.
+    A failure is raised as ``UnsupportedGraphError`` with the original
+    exception chained; its traceback's frames are cleared first, so it keeps
+    no placeholder alive.
     """
-    host_scalars = set(check_inputs(example_inputs, graph_name))
+    donors = tuple(donors) if compat.supports_donation() else ()
+    host_scalars = check_inputs(example_inputs, graph_name)
     before = metrics.transfer_snapshot()
-    failure: Optional[str] = None
+    traced = TracedGraph(
+        graph_name, gm, input_specs(example_inputs, donors, host_scalars), example_inputs=tuple(example_inputs)
+    )
     try:
-        lowered, constants_uploaded = _trace_and_compile(
-            gm, example_inputs, host_scalars, tuple(donors), graph_name, keep_hlo_text
-        )
-    except UnsupportedGraphError as exc:
-        failure = str(exc)
-    except Exception as exc:  # noqa: BLE001 - XLA's own compile errors, re-raised below
-        failure = (
-            f"{graph_name}: XLA could not compile the graph: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:300] if str(exc) else ''}. Set DONATE_XLA_DEBUG=1 "
-            "to log the graph reports, and please report this with the graph."
-        )
-    if failure is not None:
-        raise UnsupportedGraphError(failure)
+        lowered = _lower_live(gm, example_inputs, donors, graph_name, traced, keep_hlo_text)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the graph's name
+        raise _lowering_error(exc, traced) from _without_frames(exc)
     transfers = metrics.transfer_snapshot().minus(before)
-    return dataclasses.replace(lowered, transfers=transfers, constants_uploaded=constants_uploaded)
+    return dataclasses.replace(lowered, transfers=transfers)
 
 
-def _trace_and_compile(gm, example_inputs, host_scalars, donors, graph_name, keep_hlo_text):
-    with outside_fake_tracing(), tracing_settings(donate=bool(donors)):
-        holders = [
-            make_placeholder(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t
-            for t in example_inputs
-        ]
-        tracer = _PlaceholderTracer(gm, graph_name, torch_xla.device())
+def _lower_live(gm, example_inputs, donors, graph_name, traced, keep_hlo_text) -> LoweredGraph:
+    to_host = [(meta_device(n) or torch.device("xla")).type == "cpu" for n in output_nodes(gm)]
+    with traced_on_placeholders(gm, example_inputs, donors, graph_name) as live:
+        traced = dataclasses.replace(traced, constants_uploaded=live.constants_uploaded)
+        plan = plan_results(live.holders, live.outputs, to_host, graph_name)
         try:
-            for i in donors:
-                XLAC._set_buffer_donation(holders[i], True)
-            traced = flatten_outputs(tracer.run(*holders))
-            fingerprint = graph_fingerprint(gm, example_inputs, donors)
-            lowered = _describe_and_compile(
-                gm, holders, traced, host_scalars, donors, keep_hlo_text, fingerprint
+            if not plan.tensors:
+                return LoweredGraph(
+                    graph_name, None, (), (), plan.writebacks, plan.outputs, donors, traced,
+                    live.constants_uploaded,
+                )
+            plan.reorder(_donors_first_order(plan, donors, live.holders))
+            plan.tensors.append(_fingerprint_output(graph_fingerprint(gm, example_inputs, donors)))
+            params = plan_parameters(plan.tensors, live.holders, example_inputs, graph_name)
+            graph_hash = compat.graph_hash(plan.tensors)
+            hlo = compat.hlo_text(plan.tensors) if keep_hlo_text or config.current().debug else None
+            aliased = _compile_into_cache(plan.tensors, graph_hash)
+            return LoweredGraph(
+                graph_name, graph_hash, params, tuple(plan.specs), plan.writebacks, plan.outputs,
+                donors, traced, live.constants_uploaded, None, hlo, aliased,
             )
-            traced.clear()
         finally:
-            holders.clear()
-            tracer.env.clear()
-    return lowered, tracer.constants_uploaded
+            plan.tensors.clear()
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """Clear the locals of every finished frame in ``exc``'s traceback chain.
+
+    The frames of a failed trace hold placeholder tensors; keeping them alive
+    in a chained exception would crash the process at the next sync.
+    """
+    seen = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+    return exc
+
+
+def _lowering_error(exc: BaseException, traced: TracedGraph) -> DonateXlaError:
+    if isinstance(exc, UnsupportedGraphError):
+        message = str(exc)
+    elif isinstance(exc, DonateXlaError):
+        message = str(exc)
+    else:
+        first_line = str(exc).splitlines()[0][:300] if str(exc) else ""
+        message = (
+            f"{traced.graph_name}: XLA could not compile the graph: {type(exc).__name__}: "
+            f"{first_line}. Please report this with the graph."
+        )
+    dump = dump_failed_graph(traced, exc)
+    if dump:
+        message += f" The graph was written to {dump}."
+    elif "DONATE_XLA_DEBUG" not in message:
+        message += " Set DONATE_XLA_DEBUG=1 to write the failing graph to a file."
+    return UnsupportedGraphError(message)
+
+
+def dump_failed_graph(traced: TracedGraph, exc: BaseException) -> Optional[str]:
+    """Under DONATE_XLA_DEBUG=1: write the failing graph to a file; return its path."""
+    if not config.current().debug:
+        return None
+    folder = os.path.join(tempfile.gettempdir(), "donate_xla_failures")
+    os.makedirs(folder, exist_ok=True)
+    name = traced.graph_name.replace(" ", "_")
+    path = os.path.join(folder, f"{name}.{os.getpid()}.txt")
+    with open(path, "w") as f:
+        f.write(traced.as_text())
+        f.write(f"\n\nerror: {type(exc).__name__}: {exc}\n")
+    return path
 
 
 def graph_fingerprint(gm: torch.fx.GraphModule, example_inputs: Sequence, donors: Sequence[int]) -> int:
@@ -267,66 +182,9 @@ def graph_fingerprint(gm: torch.fx.GraphModule, example_inputs: Sequence, donors
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
 
 
-def _fingerprint_output(fingerprint: int, device) -> torch.Tensor:
+def _fingerprint_output(fingerprint: int) -> torch.Tensor:
     """An HLO constant carrying the fingerprint, so it is part of torch_xla's hash."""
-    return torch.full((), fingerprint, dtype=torch.int64, device=device)
-
-
-def _describe_and_compile(gm, holders, traced, host_scalars, donors, keep_hlo_text, fingerprint):
-    tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
-    index_of_holder = {id(holders[i]): i for i in tensor_inputs}
-    pending = XLAC._check_tensor_need_materialization([holders[i] for i in tensor_inputs])
-    mutated = [i for i, need in zip(tensor_inputs, pending) if need]
-
-    results: list[torch.Tensor] = []
-    result_index: dict[int, int] = {}
-
-    def add_result(t: torch.Tensor) -> int:
-        if id(t) not in result_index:
-            result_index[id(t)] = len(results)
-            results.append(t)
-        return result_index[id(t)]
-
-    writebacks = tuple((i, add_result(holders[i])) for i in mutated)
-    output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    output_metas = flatten_outputs(output_node.args[0])
-    slots = []
-    for value, meta_node in zip(traced, output_metas):
-        if isinstance(value, torch.Tensor) and id(value) in index_of_holder:
-            slots.append(OutputSlot("input", index_of_holder[id(value)]))
-        elif isinstance(value, torch.Tensor):
-            to_host = isinstance(meta_node, torch.fx.Node) and (
-                (_meta_device(meta_node) or torch.device("xla")).type == "cpu"
-            )
-            slots.append(OutputSlot("result", add_result(value), to_host=to_host))
-        else:
-            slots.append(OutputSlot("value", value=value))
-
-    if not results:
-        return LoweredGraph(None, (), writebacks, tuple(slots), (), 0, None)
-
-    holder_by_id = {tensor_id(holders[i]): i for i in tensor_inputs}
-    order = _results_order_pairing_donors(
-        results, writebacks, donors, holder_by_id, [holders[i] for i in tensor_inputs]
-    )
-    results, writebacks, slots = _reorder_results(order, results, writebacks, slots)
-    results.append(_fingerprint_output(fingerprint, torch_xla.device()))
-    graph_hash = XLAC._get_graph_hash(results)
-    param_ids, param_values = XLAC._get_tensors_xla_device_data_node(results)
-    seed_id = seed_info_id()
-    params = []
-    for pid, value in zip(param_ids, param_values):
-        if pid in holder_by_id:
-            params.append(HloParam("input", input_index=holder_by_id[pid]))
-        elif pid == seed_id:
-            params.append(HloParam("seed"))
-        else:
-            params.append(HloParam("constant", constant=value))
-    hlo_text = XLAC._get_xla_tensors_hlo(results) if keep_hlo_text else None
-    aliased = _compile_into_cache(results, graph_hash)
-    return LoweredGraph(
-        graph_hash, tuple(params), writebacks, tuple(slots), donors, 0, None, hlo_text, aliased
-    )
+    return torch.full((), fingerprint, dtype=torch.int64, device=torch_xla.device())
 
 
 # torch_xla compiles a graph hash once per process (until its cache evicts it) and
@@ -338,12 +196,14 @@ _alias_count_of_hash: dict = {}
 def _compile_into_cache(results: list, graph_hash) -> int:
     """Compile without running; return the number of donors XLA aliased."""
     samples_before, aliases_before = metrics.alias_count_total()
-    XLAC._xla_warm_up_cache(results, [])
+    compat.warm_up_cache(results)
     samples_after, aliases_after = metrics.alias_count_total()
     if samples_after > samples_before:
         _alias_count_of_hash[graph_hash] = int(aliases_after - aliases_before)
     return _alias_count_of_hash.get(graph_hash, 0)
 
+
+# -- the donor order ---------------------------------------------------------------------
 
 def donors_first(donor_results: Sequence[int], result_count: int) -> list[int]:
     """A result order (new position -> old index): ``donor_results`` first, in
@@ -352,7 +212,7 @@ def donors_first(donor_results: Sequence[int], result_count: int) -> list[int]:
     return list(donor_results) + [i for i in range(result_count) if i not in chosen]
 
 
-def _results_order_pairing_donors(results, writebacks, donors, holder_by_id, placeholders) -> list[int]:
+def _donors_first_order(plan, donors: Sequence[int], holders: Sequence) -> list[int]:
     """Order the results so that XLA pairs each donor with its own new value.
 
     XLA's buffer-donor pass (OptimizeInputOutputBufferAlias) pairs donors and
@@ -363,15 +223,19 @@ def _results_order_pairing_donors(results, writebacks, donors, holder_by_id, pla
     step.
     """
     donor_set = set(donors)
-    result_of_input = {i: r for i, r in writebacks if i in donor_set}
+    result_of_input = {i: r for i, r in plan.writebacks if i in donor_set}
+    if not result_of_input:
+        return list(range(len(plan.tensors)))
+    tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
+    live_holders = [holders[i] for i in tensor_inputs]
+    input_of_id = dict(zip(compat.tensor_ids(live_holders), tensor_inputs))
 
     def donor_results_in_parameter_order(order: list[int]) -> list[int]:
-        # passing the placeholders back keeps torch_xla from wrapping their data in new tensors
-        param_ids, _ = XLAC._get_tensors_xla_device_data_node([results[i] for i in order], placeholders)
-        inputs = (holder_by_id.get(pid) for pid in param_ids)
+        ids, _ = compat.device_data_nodes([plan.tensors[i] for i in order], live_holders)
+        inputs = (input_of_id.get(pid) for pid in ids)
         return [result_of_input[i] for i in inputs if i in result_of_input]
 
-    order, stable = settle_donor_order(donor_results_in_parameter_order, len(results))
+    order, stable = settle_donor_order(donor_results_in_parameter_order, len(plan.tensors))
     if not stable:
         log.debug("donor order did not settle; XLA may copy some donors (memory only, values are right)")
     return order
@@ -388,11 +252,3 @@ def settle_donor_order(donor_results_in_parameter_order, result_count: int, roun
             return order, True
         order = donors_first(donor_results, result_count)
     return order, False
-
-
-def _reorder_results(order: list[int], results: list, writebacks: tuple, slots: list):
-    """Apply ``order`` to the results and renumber what refers to them."""
-    position = {old: new for new, old in enumerate(order)}
-    writebacks = tuple((i, position[r]) for i, r in writebacks)
-    slots = [dataclasses.replace(s, index=position[s.index]) if s.kind == "result" else s for s in slots]
-    return [results[i] for i in order], writebacks, slots

@@ -22,8 +22,10 @@ import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 
+from ..errors import DonateXlaError
+from . import compat
 from .lower import LoweredGraph
-from .placeholders import XLAC
+from .plan import check_results
 
 log = logging.getLogger("donate_xla")
 
@@ -35,8 +37,8 @@ _SEED_ADD = 1012031
 
 def _fresh_seed_tensor(device: torch.device) -> torch.Tensor:
     """The device's current base seed as a tensor; advances the device RNG."""
-    seed = XLAC._get_base_seed_as_tensor(str(device))
-    next_seed = (_SEED_ADD + XLAC._xla_get_rng_seed() * _SEED_MUL) % (2**64 - 1)
+    seed = compat.base_seed_tensor(device)
+    next_seed = (_SEED_ADD + compat.rng_seed() * _SEED_MUL) % (2**64 - 1)
     xm.set_rng_state(next_seed, str(device))
     return seed
 
@@ -44,15 +46,15 @@ def _fresh_seed_tensor(device: torch.device) -> torch.Tensor:
 def _materialize_pending(tensors: list[torch.Tensor]) -> None:
     if not tensors:
         return
-    flags = XLAC._check_tensor_need_materialization(tensors)
+    flags = compat.need_materialization(tensors)
     pending = [t for t, need in zip(tensors, flags) if need]
     if pending:
-        XLAC._xla_sync_multi(pending, devices=[], wait=True, sync_xla_data=True)
+        compat.sync(pending, wait=True)
 
 
 def _sync_live_aliases(device: torch.device) -> None:
     """Give lazy clones that still read a donor's buffer buffers of their own."""
-    XLAC._xla_sync_live_tensors(str(device), [], True)
+    compat.sync_live_tensors(device)
 
 
 _IDENTITY_VIEWS = ("detach_ViewMeta", "alias_ViewMeta", "lift_fresh_ViewMeta")
@@ -78,12 +80,19 @@ def donors_owning_their_buffers(tensors: Sequence[torch.Tensor]) -> bool:
     torch_xla tags a shared buffer with the last tensor synced onto it, so a
     tensor that copied another's buffer, or whose buffer was copied, fails this.
     """
-    own_ids = [XLAC._xla_get_tensor_id(t) for t in tensors]
-    data_ids, _ = XLAC._get_tensors_xla_device_data_node(list(tensors))
+    own_ids = compat.tensor_ids(tensors)
+    data_ids, _ = compat.device_data_nodes(tensors)
     return sorted(data_ids) == sorted(own_ids)
 
 
-def _is_cache_miss(exc: RuntimeError) -> bool:
+def _may_be_cache_miss(exc: RuntimeError) -> bool:
+    """Whether a failed run may be an evicted cache entry (then: compile again, retry).
+
+    While torch_xla's cache has never been full nothing was evicted, so no
+    error is a miss; past that, the error's text decides.
+    """
+    if not compat.cache_may_have_evicted():
+        return False
     text = str(exc).lower()
     return any(marker in text for marker in _CACHE_MISS_MARKERS)
 
@@ -112,13 +121,16 @@ class XlaExecutable:
         self.device = torch_xla.device()
         self.calls_without_donation = 0  # calls where a donor shared its buffer
         self.last_call: Optional[LoweredGraph] = None  # the variant the last call ran
+        self._checked: set = set()  # hashes whose results were checked against the plan
 
     def __call__(self, args: list):
         args = list(args)
         device_args = self._device_args(args)
         lowered = self._choose_variant(args, device_args)
         self.last_call = lowered
-        results = self._run(lowered, device_args) if lowered.graph_hash is not None else []
+        results = []
+        if lowered.graph_hash is not None:
+            lowered, results = self._run(lowered, device_args)
         self._write_back(args, lowered, results)
         return [self._output(slot, args, results) for slot in lowered.outputs]
 
@@ -171,19 +183,29 @@ class XlaExecutable:
                 values.append(p.constant)
         return values
 
-    def _run(self, lowered: LoweredGraph, device_args: list) -> list:
+    def _run(self, lowered: LoweredGraph, device_args: list) -> tuple:
+        """Run ``lowered``; returns (the variant that ran, its results)."""
         try:
-            return XLAC._run_cached_graph(lowered.graph_hash, self._param_values(lowered, device_args))
+            results = compat.run_cached_graph(lowered.graph_hash, self._param_values(lowered, device_args))
         except RuntimeError as exc:
-            if not _is_cache_miss(exc):
-                raise
-        # Evicted from torch_xla's LRU cache: compile again (no data moves) and retry.
-        fresh = self._relower(bool(lowered.donors))
-        if lowered is self.lowered:
-            self.lowered = fresh
-        else:
-            self._without_donation = fresh
-        return XLAC._run_cached_graph(fresh.graph_hash, self._param_values(fresh, device_args))
+            if not _may_be_cache_miss(exc):
+                raise DonateXlaError(
+                    f"donate_xla: {self.graph_name}: running the compiled graph failed: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                ) from exc
+            # Evicted from torch_xla's LRU cache: compile again (no data moves) and retry.
+            was_main = lowered is self.lowered
+            lowered = self._relower(bool(lowered.donors))
+            self.last_call = lowered
+            if was_main:
+                self.lowered = lowered
+            else:
+                self._without_donation = lowered
+            results = compat.run_cached_graph(lowered.graph_hash, self._param_values(lowered, device_args))
+        if lowered.graph_hash not in self._checked:
+            check_results(results, lowered.results, self.graph_name)
+            self._checked.add(lowered.graph_hash)
+        return lowered, results
 
     @staticmethod
     def _write_back(args: list, lowered: LoweredGraph, results: list) -> None:
@@ -206,7 +228,7 @@ class XlaExecutable:
                 else:
                     target.copy_(new_value.cpu())
         if device_targets:
-            XLAC._xla_sync_multi(device_targets, devices=[], wait=False, sync_xla_data=True)
+            compat.sync(device_targets, wait=False)
 
     @staticmethod
     def _output(slot, args: list, results: list):

@@ -1,0 +1,215 @@
+"""Every private torch_xla API the XLA path uses, each behind one function.
+
+torch_xla's ``_XLAC`` bindings are private and change between releases. The
+rest of the XLA path calls only the functions below. Each looks its binding
+up when it is called (so a test can remove it) and says what happens without
+it:
+
+- required bindings raise ``MissingXlaApiError``, which names the binding and
+  the torch_xla release this backend is built for;
+- optional ones fall back: no buffer donor configuration -> no donation
+  (``supports_donation``), no HLO printer -> no HLO text, no cache size ->
+  eviction is assumed possible and detected from the error.
+
+The special-scalar switch is required: without it Python scalars, and the
+graph fingerprint with them, would be uploaded as data instead of being HLO
+constants, and the fingerprint would no longer tell graphs apart.
+
+tests/test_xla_compat.py removes each binding and checks its guard.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch_xla
+
+from ..errors import DonateXlaError
+
+BUILT_FOR = "torch_xla 2.9"
+_DEFAULT_CACHE_SIZE = 2048  # XLA_COMPILATION_CACHE_SIZE's default in torch_xla 2.9
+
+
+class MissingXlaApiError(DonateXlaError):
+    """This torch_xla lacks a private binding the XLA path needs."""
+
+
+def _optional(name: str):
+    return getattr(torch_xla._XLAC, name, None)
+
+
+def _required(name: str):
+    binding = _optional(name)
+    if binding is None:
+        version = getattr(torch_xla, "__version__", "unknown")
+        raise MissingXlaApiError(
+            f"donate_xla: this torch_xla ({version}) has no torch_xla._XLAC.{name}, which the "
+            f"XLA path needs; donate_xla is built for {BUILT_FOR}. Install torch_xla==2.9.0 "
+            "(with torch==2.9.0), or use backend='openxla'."
+        )
+    return binding
+
+
+# -- placeholders and tensor identity --------------------------------------------------
+
+def make_placeholder(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An XLA tensor with no device buffer: tracing it builds lazy IR only."""
+    import torch_xla.core.xla_builder as xla_builder
+
+    _required("_xla_create_placeholder_tensor")  # what the builder below calls
+    create = getattr(xla_builder, "create_placeholder_tensor", None)
+    if create is None:
+        raise MissingXlaApiError(
+            "donate_xla: torch_xla.core.xla_builder has no create_placeholder_tensor; "
+            f"donate_xla is built for {BUILT_FOR}. Install torch_xla==2.9.0."
+        )
+    return create(tuple(shape), dtype)
+
+
+def tensor_id(t: torch.Tensor) -> int:
+    """torch_xla's id of the XLATensor behind ``t`` (``t.detach()`` shares it)."""
+    return _required("_xla_get_tensor_id")(t)
+
+
+def tensor_ids(tensors: Sequence[torch.Tensor]) -> list[int]:
+    get = _required("_xla_get_tensor_id")
+    return [get(t) for t in tensors]
+
+
+def need_materialization(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Per tensor: True if it holds pending IR other than plain device data."""
+    return list(_required("_check_tensor_need_materialization")(list(tensors)))
+
+
+def device_data_nodes(tensors: Sequence[torch.Tensor], uncloned: Sequence[torch.Tensor] = ()):
+    """(tensor ids, tensors) of the device data the tensors' IR reads, in HLO parameter order.
+
+    The id is the tensor id a buffer is tagged with. A buffer tagged with one of
+    ``uncloned`` comes back as that tensor, not as a new wrapper.
+    """
+    ids, values = _required("_get_tensors_xla_device_data_node")(list(tensors), list(uncloned))
+    return list(ids), list(values)
+
+
+def seed_info_id() -> int:
+    return _required("_get_seed_info_id")()
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    """True for a tensor whose buffer has no value (a placeholder's)."""
+    return bool(_required("_is_placecholder")(t))  # sic: torch_xla's spelling
+
+
+# -- tracing settings --------------------------------------------------------------------
+
+def supports_donation() -> bool:
+    return all(
+        _optional(name) is not None
+        for name in (
+            "_set_buffer_donation",
+            "_xla_get_enable_alias_with_buffer_donor_config",
+            "_xla_set_enable_alias_with_buffer_donor_config",
+        )
+    )
+
+
+def set_buffer_donation(t: torch.Tensor, donate: bool) -> bool:
+    return bool(_required("_set_buffer_donation")(t, donate))
+
+
+@contextlib.contextmanager
+def tracing_settings(donate: bool) -> Iterator[None]:
+    """Python scalars become HLO constants; build in the buffer-donor configuration.
+
+    Both settings are global in torch_xla and restored afterwards.
+    """
+    get_scalars = _required("_get_xla_all_numbers_special_scalars")
+    set_scalars = _required("_set_xla_all_numbers_special_scalars")
+    get_donor = _optional("_xla_get_enable_alias_with_buffer_donor_config")
+    set_donor = _optional("_xla_set_enable_alias_with_buffer_donor_config")
+    saved_scalars = get_scalars()
+    saved_donor = get_donor() if get_donor and set_donor else None
+    set_scalars(True)
+    if saved_donor is not None:
+        set_donor(bool(donate))
+    try:
+        yield
+    finally:
+        set_scalars(saved_scalars)
+        if saved_donor is not None:
+            set_donor(saved_donor)
+
+
+@contextlib.contextmanager
+def outside_fake_tracing() -> Iterator[None]:
+    """aot_autograd calls compilers under its FakeTensorMode and the python
+    dispatcher; placeholder ops must run on the real XLA backend instead."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with unset_fake_temporarily(), _disable_current_modes(), torch._C._DisablePythonDispatcher():
+        yield
+
+
+# -- compiling ---------------------------------------------------------------------------
+
+def graph_hash(tensors: Sequence[torch.Tensor]) -> bytes:
+    return _required("_get_graph_hash")(list(tensors))
+
+
+def warm_up_cache(tensors: Sequence[torch.Tensor]) -> None:
+    """Compile the graph computing ``tensors`` into torch_xla's cache; run nothing."""
+    _required("_xla_warm_up_cache")(list(tensors), [])
+
+
+def hlo_text(tensors: Sequence[torch.Tensor]) -> Optional[str]:
+    printer = _optional("_get_xla_tensors_hlo")
+    return printer(list(tensors)) if printer is not None else None
+
+
+def cache_capacity() -> int:
+    try:
+        return int(os.environ.get("XLA_COMPILATION_CACHE_SIZE", _DEFAULT_CACHE_SIZE))
+    except ValueError:
+        return _DEFAULT_CACHE_SIZE
+
+
+def cached_graph_count() -> Optional[int]:
+    """Graphs in torch_xla's in-memory computation cache, or None if unknown."""
+    count = _optional("_xla_get_num_cached_compilation_graph")
+    return int(count()) if count is not None else None
+
+
+def cache_may_have_evicted() -> bool:
+    """False only when the cache has never been full, so nothing was ever evicted.
+
+    torch_xla's LRU cache evicts only when an insertion finds it full, and it
+    never shrinks otherwise.
+    """
+    count = cached_graph_count()
+    return count is None or count >= cache_capacity()
+
+
+# -- running -----------------------------------------------------------------------------
+
+def run_cached_graph(hash_: bytes, inputs: list) -> list:
+    return _required("_run_cached_graph")(hash_, inputs)
+
+
+def sync(tensors: Sequence[torch.Tensor], wait: bool) -> None:
+    """Make the tensors' pending IR concrete (and tag their buffers as theirs)."""
+    _required("_xla_sync_multi")(list(tensors), devices=[], wait=wait, sync_xla_data=True)
+
+
+def sync_live_tensors(device: torch.device) -> None:
+    _required("_xla_sync_live_tensors")(str(device), [], True)
+
+
+def base_seed_tensor(device: torch.device) -> torch.Tensor:
+    return _required("_get_base_seed_as_tensor")(str(device))
+
+
+def rng_seed() -> int:
+    return int(_required("_xla_get_rng_seed")())

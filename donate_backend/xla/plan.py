@@ -1,0 +1,247 @@
+"""Stage 2 of lowering: which traced tensors the HLO returns, and what feeds its parameters.
+
+torch_xla decides the outputs of an HLO computation itself, from the tensors
+it is given: it keeps each XLA tensor once (by its tensor id: ``t.detach()``
+is the same tensor as ``t``) and leaves out every tensor whose value is plain
+device data (an input passed through, ``q.copy_(p)``, a tensor constant). The
+executable then returns fewer results than it was given tensors, and every
+result after the first left-out one lands on the wrong output (wrong values,
+wrong shapes, or XLA's "Executable expected parameter ... incompatible size").
+
+``plan_results`` makes that decision explicit instead of guessing at it:
+
+- an output that *is* a graph input (by tensor id) is returned from the
+  caller's arguments, not computed;
+- every other output and every input write-back becomes a result that is
+  pending IR, so torch_xla keeps all of them: values that are plain device
+  data get an identity view, which XLA compiles to a copy (for a donated
+  write-back, into the donor's own buffer);
+- results are unique by tensor id, so what torch_xla returns is exactly, and
+  in order, the list planned.
+
+``plan_parameters`` maps each HLO parameter (torch_xla's device-data order)
+to the graph input, RNG seed or captured constant that feeds it, and checks
+every input parameter's shape and dtype against the input it will receive.
+A mismatch is a ``LoweringMismatchError`` naming the graph and the input.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..errors import DonateXlaError
+from . import compat
+
+
+class LoweringMismatchError(DonateXlaError):
+    """The lowered HLO does not line up with the graph's inputs or outputs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HloParam:
+    """Where one HLO parameter comes from at run time."""
+
+    kind: str  # "input", "seed" or "constant"
+    input_index: int = -1
+    constant: Optional[torch.Tensor] = None
+    shape: tuple = ()
+    dtype: Optional[torch.dtype] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSlot:
+    """One graph output: a computed result, a graph input, or a plain value."""
+
+    kind: str  # "result", "input" or "value"
+    index: int = -1
+    value: Any = None
+    to_host: bool = False  # a host scalar the graph computes on the device
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultSpec:
+    """One HLO result: its shape and dtype, and whether it had to be forced."""
+
+    shape: tuple
+    dtype: torch.dtype
+    forced: bool = False  # plain device data made a result by an identity view
+
+
+@dataclasses.dataclass
+class ResultPlan:
+    """Live tensors to compile (``tensors``) and how results map back to the graph."""
+
+    tensors: list  # live XLA tensors; dropped by the caller when lowering ends
+    specs: list  # ResultSpec per tensor
+    writebacks: tuple  # (input index, result index)
+    outputs: tuple  # OutputSlot per graph output
+
+    def reorder(self, order: Sequence[int]) -> None:
+        """Apply ``order`` (new position -> old index) and renumber what refers to results."""
+        position = {old: new for new, old in enumerate(order)}
+        self.tensors = [self.tensors[i] for i in order]
+        self.specs = [self.specs[i] for i in order]
+        self.writebacks = tuple((i, position[r]) for i, r in self.writebacks)
+        self.outputs = tuple(
+            dataclasses.replace(s, index=position[s.index]) if s.kind == "result" else s
+            for s in self.outputs
+        )
+
+
+def written_inputs(holders: Sequence, tensor_inputs: Sequence[int]) -> list[int]:
+    """Inputs whose placeholder no longer holds its own value after tracing.
+
+    Either it has pending IR (an in-place op computed a new value) or its
+    value is another tensor's device data (``q.copy_(p)``).
+    """
+    live = [holders[i] for i in tensor_inputs]
+    pending = compat.need_materialization(live)
+    written = []
+    for i, t, is_pending in zip(tensor_inputs, live, pending):
+        if is_pending:
+            written.append(i)
+            continue
+        data_ids, _ = compat.device_data_nodes([t], [t])
+        if data_ids != [compat.tensor_id(t)]:
+            written.append(i)
+    return written
+
+
+def plan_results(
+    holders: Sequence,
+    traced_outputs: Sequence,
+    to_host: Sequence[bool],
+    graph_name: str,
+) -> ResultPlan:
+    """Decide the HLO results: write-backs of written inputs first, then the outputs."""
+    tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
+    input_of_id = {compat.tensor_id(holders[i]): i for i in tensor_inputs}
+    tensors: list = []
+    specs: list = []
+    result_of_id: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> int:
+        key = compat.tensor_id(t)
+        if key in result_of_id:
+            return result_of_id[key]
+        forced = not compat.need_materialization([t])[0]
+        if forced:
+            t = t.view(t.shape)  # pending IR, so torch_xla keeps it; XLA copies
+        result_of_id[key] = len(tensors)
+        tensors.append(t)
+        specs.append(ResultSpec(tuple(t.shape), t.dtype, forced))
+        return len(tensors) - 1
+
+    writebacks = tuple((i, add(holders[i])) for i in written_inputs(holders, tensor_inputs))
+    outputs = []
+    for value, host in zip(traced_outputs, to_host):
+        if not isinstance(value, torch.Tensor):
+            outputs.append(OutputSlot("value", value=value))
+        elif compat.tensor_id(value) in input_of_id:
+            outputs.append(OutputSlot("input", input_of_id[compat.tensor_id(value)]))
+        else:
+            outputs.append(OutputSlot("result", add(value), to_host=host))
+    _check_all_kept(tensors, graph_name)
+    return ResultPlan(tensors, specs, writebacks, tuple(outputs))
+
+
+def _check_all_kept(tensors: Sequence, graph_name: str) -> None:
+    """Every planned result must be pending IR with its own tensor id."""
+    ids = compat.tensor_ids(tensors)
+    pending = compat.need_materialization(tensors)
+    if len(set(ids)) != len(ids) or not all(pending):
+        raise LoweringMismatchError(
+            f"donate_xla: {graph_name}: internal error planning the HLO results (a result is "
+            "not pending IR or appears twice); please report this with the graph "
+            "(DONATE_XLA_DEBUG=1 writes it to a file)."
+        )
+
+
+def plan_parameters(
+    results: Sequence,
+    holders: Sequence,
+    example_inputs: Sequence,
+    graph_name: str,
+) -> tuple:
+    """The source of every HLO parameter, checked against the inputs that feed it."""
+    tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
+    live_holders = [holders[i] for i in tensor_inputs]
+    input_of_id = dict(zip(compat.tensor_ids(live_holders), tensor_inputs))
+    seed_id = compat.seed_info_id()
+    ids, values = compat.device_data_nodes(results, live_holders)
+    params = []
+    for position, (pid, value) in enumerate(zip(ids, values)):
+        if pid in input_of_id:
+            index = input_of_id[pid]
+            param = HloParam("input", input_index=index, shape=tuple(value.shape), dtype=value.dtype)
+            _check_input_param(param, position, example_inputs[index], graph_name)
+        elif pid == seed_id:
+            param = HloParam("seed", shape=tuple(value.shape), dtype=value.dtype)
+        elif compat.is_placeholder(value):
+            raise LoweringMismatchError(
+                f"donate_xla: {graph_name}: HLO parameter {position} reads a placeholder that "
+                "is none of the graph's inputs; please report this with the graph."
+            )
+        else:
+            param = HloParam("constant", constant=value, shape=tuple(value.shape), dtype=value.dtype)
+        params.append(param)
+    return tuple(params)
+
+
+def _check_input_param(param: HloParam, position: int, example, graph_name: str) -> None:
+    expected = (tuple(example.shape), example.dtype)
+    if (param.shape, param.dtype) != expected:
+        raise LoweringMismatchError(
+            f"donate_xla: {graph_name}: HLO parameter {position} would receive input "
+            f"#{param.input_index} ({_sig(*expected)}) but was built for {_sig(param.shape, param.dtype)}; "
+            "please report this with the graph (DONATE_XLA_DEBUG=1 writes it to a file)."
+        )
+
+
+def check_results(returned: Sequence, specs: Sequence[ResultSpec], graph_name: str) -> None:
+    """What an execution returned must be the planned results, in order."""
+    if len(returned) != len(specs) + 1:  # + the fingerprint
+        raise LoweringMismatchError(
+            f"donate_xla: {graph_name}: the executable returned {len(returned)} results, "
+            f"{len(specs) + 1} were planned; please report this with the graph."
+        )
+    for k, (t, spec) in enumerate(zip(returned, specs)):
+        if (tuple(t.shape), t.dtype) != (spec.shape, spec.dtype):
+            raise LoweringMismatchError(
+                f"donate_xla: {graph_name}: result {k} came back as {_sig(t.shape, t.dtype)}, "
+                f"planned {_sig(spec.shape, spec.dtype)}; please report this with the graph."
+            )
+
+
+def _sig(shape, dtype) -> str:
+    return f"{str(dtype).replace('torch.', '')}{list(shape)}"
+
+
+def describe(params: Sequence[HloParam], specs: Sequence[ResultSpec], writebacks, outputs, donors) -> str:
+    """The parameter and result tables as text (``Lowered.as_text``)."""
+    donor_set = set(donors)
+    lines = ["parameters:"]
+    for k, p in enumerate(params):
+        source = f"input #{p.input_index}" if p.kind == "input" else p.kind
+        mark = "  donated" if p.kind == "input" and p.input_index in donor_set else ""
+        lines.append(f"  p{k:<3} {source:<12} {_sig(p.shape, p.dtype)}{mark}")
+    feeds: dict[int, list[str]] = {}
+    for i, r in writebacks:
+        feeds.setdefault(r, []).append(f"writes input #{i}")
+    for pos, slot in enumerate(outputs):
+        if slot.kind == "result":
+            feeds.setdefault(slot.index, []).append(f"output {pos}" + (" (to host)" if slot.to_host else ""))
+    lines.append("results:")
+    for k, spec in enumerate(specs):
+        forced = " (copy)" if spec.forced else ""
+        lines.append(f"  r{k:<3} {_sig(spec.shape, spec.dtype)}{forced} -> {', '.join(feeds.get(k, ['?']))}")
+    passthrough = [
+        f"output {pos} = input #{s.index}" if s.kind == "input" else f"output {pos} = {s.value!r}"
+        for pos, s in enumerate(outputs)
+        if s.kind != "result"
+    ]
+    if passthrough:
+        lines.append("not computed: " + "; ".join(passthrough))
+    return "\n".join(lines)

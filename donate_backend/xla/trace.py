@@ -1,0 +1,259 @@
+"""Stage 1 of lowering: run the FX graph on placeholder tensors.
+
+Placeholders have a shape and dtype but no device buffer, so running the
+graph on them builds lazy IR only and sends nothing to the device. Before a
+node runs it is checked: ops torch_xla cannot lower (the CPU fallback would
+read a placeholder and crash the process) and host reads are rejected with
+an error that names the node.
+
+``traced_on_placeholders`` is a context manager: every placeholder-derived
+tensor lives only inside it (a live one would crash the process at the next
+``torch_xla.sync()``). ``TracedGraph`` is what is kept afterwards: the FX
+graph and the input signature, printable with ``as_text()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.fx
+import torch_xla
+
+from ..errors import UnsupportedGraphError
+from . import compat
+
+_LOWERABLE_KEYS = (
+    "XLA",
+    "CompositeImplicitAutograd",
+    "CompositeExplicitAutograd",
+)
+
+# Ops with no XLA kernel that mean the same as one that has one.
+_EQUIVALENT_OPS = {
+    torch.ops.aten.lift_fresh_copy.default: torch.ops.aten.clone.default,
+}
+
+_HOST_READ_OPS = {
+    torch.ops.aten._local_scalar_dense.default: ".item() / a Python number read",
+}
+
+
+def has_xla_lowering(op: torch._ops.OpOverload) -> bool:
+    """False for ops (of any namespace) that torch_xla would run through its CPU fallback.
+
+    The fallback copies inputs to the host, which a placeholder cannot do (it
+    crashes the process), so such ops are rejected before they run. Custom ops
+    count when they have an XLA kernel or a composite (Python) one, which then
+    runs on placeholders like any other code.
+    """
+    name = op.name()
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in _LOWERABLE_KEYS)
+
+
+def check_inputs(example_inputs: Sequence, graph_name: str) -> list[int]:
+    """Validate inputs; return indices of host (CPU) scalar tensors."""
+    host_scalars = []
+    for i, value in enumerate(example_inputs):
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise UnsupportedGraphError(
+                f"{graph_name}: input #{i} is a symbolic size ({value}); dynamic shapes are "
+                "not supported by donate_xla. Compile with torch.compile(..., dynamic=False) "
+                "or keep input shapes fixed (pad the last batch)."
+            )
+        if not isinstance(value, torch.Tensor):
+            continue
+        if any(isinstance(s, torch.SymInt) for s in value.shape):
+            raise UnsupportedGraphError(
+                f"{graph_name}: input #{i} has a dynamic shape {tuple(value.shape)}; dynamic "
+                "shapes are not supported by donate_xla. Use torch.compile(..., dynamic=False)."
+            )
+        if value.device.type == "xla":
+            continue
+        if value.device.type == "cpu" and value.numel() == 1 and value.dim() == 0:
+            host_scalars.append(i)
+            continue
+        raise UnsupportedGraphError(
+            f"{graph_name}: input #{i} is a {value.device.type} tensor of shape "
+            f"{tuple(value.shape)} in a graph on the XLA device. Move it to the XLA device "
+            "(tensor.to(torch_xla.device())) before calling the compiled function."
+        )
+    return host_scalars
+
+
+def meta_device(node) -> Optional[torch.device]:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.device if isinstance(val, torch.Tensor) else None
+
+
+def check_graph(gm: torch.fx.GraphModule, graph_name: str) -> None:
+    """Reject, before anything runs, every node that cannot be traced on placeholders."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            _reject_host_reads(node, graph_name)
+            _reject_unlowerable(node, graph_name)
+
+
+def _reject_unlowerable(node: torch.fx.Node, graph_name: str) -> None:
+    target = _EQUIVALENT_OPS.get(node.target, node.target)
+    if isinstance(target, torch._ops.OpOverload) and not has_xla_lowering(target):
+        raise UnsupportedGraphError(
+            f"{graph_name}: op {node.target} (node {node.name!r}) has no XLA lowering "
+            "in torch_xla, so it cannot be compiled for the XLA device. Move it outside "
+            "the compiled region (wrap it in torch._dynamo.disable) or replace it with "
+            "supported ops."
+        )
+
+
+def _reject_host_reads(node: torch.fx.Node, graph_name: str) -> None:
+    if node.target in _HOST_READ_OPS:
+        raise UnsupportedGraphError(
+            f"{graph_name}: node {node.name!r} reads device data on the host "
+            f"({_HOST_READ_OPS[node.target]}) inside the compiled graph. Move the read "
+            "out of the compiled function, or let dynamo break the graph there."
+        )
+    out_device = meta_device(node)
+    if out_device is None or out_device.type != "cpu":
+        return
+    for arg in node.all_input_nodes:
+        arg_device = meta_device(arg)
+        if arg_device is not None and arg_device.type == "xla":
+            raise UnsupportedGraphError(
+                f"{graph_name}: node {node.name!r} ({node.target}) copies an XLA "
+                "tensor to the host (.cpu() / .to('cpu')) inside the compiled graph. "
+                "Do that after the compiled function returns."
+            )
+
+
+class _PlaceholderTracer(torch.fx.Interpreter):
+    """Runs the graph on placeholders; host tensors are kept on the device."""
+
+    def __init__(self, gm: torch.fx.GraphModule, graph_name: str, device: torch.device):
+        super().__init__(gm, garbage_collect_values=True)
+        self.graph_name = graph_name
+        self.device = device
+        self.constants_uploaded = 0
+
+    def run_node(self, node: torch.fx.Node):
+        try:
+            return super().run_node(node)
+        except UnsupportedGraphError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - rethrown with the op's name
+            raise UnsupportedGraphError(
+                f"{self.graph_name}: op {node.target} (node {node.name!r}) could not be "
+                f"lowered to XLA: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}. "
+                "If torch_xla has no lowering for it, move that op outside the compiled "
+                "region (torch._dynamo.disable) or replace it with supported ops."
+            ) from exc
+
+    def call_function(self, target, args, kwargs):
+        target = _EQUIVALENT_OPS.get(target, target)
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
+            kwargs = {**kwargs, "device": self.device}
+        return super().call_function(target, args, kwargs)
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor) and value.device.type != "xla":
+            self.constants_uploaded += 1
+            value = value.to(self.device)
+        return value
+
+
+def flatten_outputs(out) -> list:
+    if isinstance(out, (list, tuple)):
+        return list(out)
+    return [out]
+
+
+def output_nodes(gm: torch.fx.GraphModule) -> list:
+    return flatten_outputs(gm.graph.output_node().args[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    index: int
+    shape: tuple
+    dtype: str
+    device: str
+    donor: bool = False
+    host_scalar: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedGraph:
+    """Stage 1, as kept after lowering: the FX graph and what it was traced with."""
+
+    graph_name: str
+    gm: torch.fx.GraphModule
+    inputs: tuple  # InputSpec per graph input (None for non-tensors)
+    constants_uploaded: int = 0
+    example_inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)  # fake
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+    def as_text(self) -> str:
+        lines = [f"{self.graph_name}: traced on placeholders", "inputs:"]
+        for spec in self.inputs:
+            if spec is None:
+                continue
+            flags = " donor" if spec.donor else ""
+            flags += " host-scalar" if spec.host_scalar else ""
+            lines.append(f"  #{spec.index:<3} {spec.dtype}{list(spec.shape)} {spec.device}{flags}")
+        lines.append("code:")
+        lines.extend("  " + line for line in self.gm.code.strip().splitlines() if line.strip())
+        return "\n".join(lines)
+
+
+def input_specs(example_inputs: Sequence, donors: Sequence[int], host_scalars: Sequence[int]) -> tuple:
+    donor_set, host_set = set(donors), set(host_scalars)
+    return tuple(
+        InputSpec(
+            i, tuple(t.shape), str(t.dtype).replace("torch.", ""), t.device.type, i in donor_set, i in host_set
+        )
+        if isinstance(t, torch.Tensor)
+        else None
+        for i, t in enumerate(example_inputs)
+    )
+
+
+@dataclasses.dataclass
+class LiveTrace:
+    """Placeholder-derived tensors; valid only inside ``traced_on_placeholders``."""
+
+    holders: list
+    outputs: list
+    constants_uploaded: int
+
+
+@contextlib.contextmanager
+def traced_on_placeholders(
+    gm: torch.fx.GraphModule, example_inputs: Sequence, donors: Sequence[int], graph_name: str
+) -> Iterator[LiveTrace]:
+    """Trace ``gm`` on placeholders (donors flagged first) under the trace settings.
+
+    The settings stay in force inside the block, where the caller compiles the
+    traced tensors; on exit every placeholder-derived tensor is dropped.
+    """
+    check_graph(gm, graph_name)
+    with compat.outside_fake_tracing(), compat.tracing_settings(donate=bool(donors)):
+        holders = [
+            compat.make_placeholder(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t
+            for t in example_inputs
+        ]
+        tracer = _PlaceholderTracer(gm, graph_name, torch_xla.device())
+        live = LiveTrace(holders, [], 0)
+        try:
+            for i in donors:
+                compat.set_buffer_donation(holders[i], True)
+            live.outputs.extend(flatten_outputs(tracer.run(*holders)))
+            live.constants_uploaded = tracer.constants_uploaded
+            yield live
+        finally:
+            live.outputs.clear()
+            holders.clear()
+            tracer.env.clear()

@@ -1,0 +1,127 @@
+"""Each guard of donate_backend/xla/compat.py, with its binding removed."""
+import pytest
+import torch
+
+from conftest import HAS_TORCH_XLA
+
+pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+
+if HAS_TORCH_XLA:
+    import torch_xla
+    import torch_xla.core.xla_builder as xla_builder
+
+    import donate_backend
+    from donate_backend.xla import compat
+    from donate_backend.xla.lower import lower
+
+
+def _some_xla_tensor():
+    return torch.ones(3).to(torch_xla.device())
+
+
+# (binding, a call that needs it)
+REQUIRED = [
+    ("_xla_create_placeholder_tensor", lambda: compat.make_placeholder((2,), torch.float32)),
+    ("_xla_get_tensor_id", lambda: compat.tensor_id(_some_xla_tensor())),
+    ("_check_tensor_need_materialization", lambda: compat.need_materialization([_some_xla_tensor()])),
+    ("_get_tensors_xla_device_data_node", lambda: compat.device_data_nodes([_some_xla_tensor()])),
+    ("_get_seed_info_id", compat.seed_info_id if HAS_TORCH_XLA else None),
+    ("_is_placecholder", lambda: compat.is_placeholder(_some_xla_tensor())),
+    ("_get_graph_hash", lambda: compat.graph_hash([_some_xla_tensor() * 2])),
+    ("_xla_warm_up_cache", lambda: compat.warm_up_cache([_some_xla_tensor() * 2])),
+    ("_run_cached_graph", lambda: compat.run_cached_graph(b"0" * 32, [])),
+    ("_xla_sync_multi", lambda: compat.sync([_some_xla_tensor()], wait=True)),
+    ("_xla_sync_live_tensors", lambda: compat.sync_live_tensors(torch_xla.device())),
+    ("_get_base_seed_as_tensor", lambda: compat.base_seed_tensor(torch_xla.device())),
+    ("_xla_get_rng_seed", compat.rng_seed if HAS_TORCH_XLA else None),
+    ("_set_buffer_donation", lambda: compat.set_buffer_donation(_some_xla_tensor(), False)),
+]
+
+
+@pytest.mark.parametrize("name,call", REQUIRED, ids=[n for n, _ in REQUIRED])
+def test_a_missing_required_binding_is_named(xla_device, monkeypatch, name, call):
+    monkeypatch.delattr(torch_xla._XLAC, name)
+    with pytest.raises(compat.MissingXlaApiError, match=rf"torch_xla\._XLAC\.{name}\b.*torch_xla==2\.9\.0"):
+        call()
+
+
+def test_a_missing_placeholder_builder_is_named(xla_device, monkeypatch):
+    monkeypatch.delattr(xla_builder, "create_placeholder_tensor")
+    with pytest.raises(compat.MissingXlaApiError, match="create_placeholder_tensor"):
+        compat.make_placeholder((2,), torch.float32)
+
+
+def _sgd_graph():
+    graph = torch.fx.Graph()
+    p, g = graph.placeholder("p"), graph.placeholder("g")
+    scaled = graph.call_function(torch.ops.aten.mul.Tensor, (g, 2.5))
+    new = graph.call_function(torch.ops.aten.sub.Tensor, (p, scaled))
+    graph.call_function(torch.ops.aten.copy_.default, (p, new))
+    graph.output(())
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "_set_buffer_donation",
+        "_xla_get_enable_alias_with_buffer_donor_config",
+        "_xla_set_enable_alias_with_buffer_donor_config",
+    ],
+)
+def test_without_buffer_donor_bindings_nothing_is_donated(xla_device, monkeypatch, name):
+    monkeypatch.delattr(torch_xla._XLAC, name)
+    assert not compat.supports_donation()
+    inputs = [torch.randn(4).to(xla_device), torch.randn(4).to(xla_device)]
+    lowered = lower(_sgd_graph(), inputs, donors=[0], graph_name="graph 0 inference")
+    assert lowered.donors == ()
+    assert "donated" not in lowered.as_text()
+
+
+@pytest.mark.parametrize("name", ["_get_xla_all_numbers_special_scalars", "_set_xla_all_numbers_special_scalars"])
+def test_the_special_scalar_switch_is_required(xla_device, monkeypatch, name):
+    """Without it the graph fingerprint would be uploaded data, not an HLO constant."""
+    monkeypatch.delattr(torch_xla._XLAC, name)
+    with pytest.raises(compat.MissingXlaApiError, match=name):
+        with compat.tracing_settings(donate=False):
+            pass
+
+
+def test_tracing_settings_are_restored(xla_device):
+    XLAC = torch_xla._XLAC
+    before = (XLAC._get_xla_all_numbers_special_scalars(), XLAC._xla_get_enable_alias_with_buffer_donor_config())
+    with compat.tracing_settings(donate=True):
+        assert XLAC._get_xla_all_numbers_special_scalars() and XLAC._xla_get_enable_alias_with_buffer_donor_config()
+    after = (XLAC._get_xla_all_numbers_special_scalars(), XLAC._xla_get_enable_alias_with_buffer_donor_config())
+    assert after == before
+
+
+def test_without_the_hlo_printer_there_is_no_hlo_text(xla_device, monkeypatch):
+    monkeypatch.delattr(torch_xla._XLAC, "_get_xla_tensors_hlo")
+    inputs = [torch.randn(4).to(xla_device), torch.randn(4).to(xla_device)]
+    lowered = lower(_sgd_graph(), inputs, donors=[0], graph_name="graph 0 inference", keep_hlo_text=True)
+    assert lowered.hlo_text is None and "hlo:" not in lowered.as_text()
+
+
+def test_without_the_cache_count_eviction_is_assumed_possible(xla_device, monkeypatch):
+    assert compat.cached_graph_count() is not None
+    assert not compat.cache_may_have_evicted()  # a fresh test process is far from 2048 graphs
+    monkeypatch.setenv("XLA_COMPILATION_CACHE_SIZE", str(compat.cached_graph_count()))
+    assert compat.cache_may_have_evicted()
+    monkeypatch.delenv("XLA_COMPILATION_CACHE_SIZE")
+    monkeypatch.delattr(torch_xla._XLAC, "_xla_get_num_cached_compilation_graph")
+    assert compat.cached_graph_count() is None and compat.cache_may_have_evicted()
+
+
+def test_a_failed_run_is_not_taken_for_an_eviction_while_the_cache_was_never_full(xla_device, monkeypatch):
+    """Without a full cache the runtime reports the failure instead of recompiling."""
+    f = torch.compile(lambda t: t * 2 + 1, backend="donate_xla")
+    x = torch.randn(4).to(xla_device)
+    f(x)
+
+    def evicted(hash_, inputs):
+        raise RuntimeError("Failed to get computation by hash 123. Maybe the entry get kicked out of the LRU cache")
+
+    monkeypatch.setattr(torch_xla._XLAC, "_run_cached_graph", evicted)
+    with pytest.raises(donate_backend.DonateXlaError, match=r"graph \d+ inference: running the compiled graph failed"):
+        f(x)

@@ -1,0 +1,303 @@
+"""Ordinary training programs that once gave wrong values or XLA-internal errors.
+
+Each program runs compiled with donate_xla on XLA and eagerly on the CPU (the
+oracle) from the same initial values, for several steps; every returned value
+and every piece of state is compared after each step.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import HAS_TORCH_XLA
+
+pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+
+if HAS_TORCH_XLA:
+    import torch_xla
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu(v) for v in value)
+    return value
+
+
+def assert_close_tree(got, expected, what=""):
+    got, expected = _cpu(got), _cpu(expected)
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor), what
+        assert got.shape == expected.shape, (what, got.shape, expected.shape)
+        torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"{what}: {m}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), what
+        for k, (g, e) in enumerate(zip(got, expected)):
+            assert_close_tree(g, e, f"{what}[{k}]")
+    else:
+        assert got == expected, what
+
+
+def run_against_eager(make_program, steps=4):
+    """``make_program(device, compile)`` -> (step(i) -> outputs, state() -> tensors)."""
+    xla_step, xla_state = make_program(torch_xla.device(), lambda f: torch.compile(f, backend="donate_xla"))
+    cpu_step, cpu_state = make_program(torch.device("cpu"), lambda f: f)
+    for i in range(steps):
+        got = xla_step(i)
+        expected = cpu_step(i)
+        assert_close_tree(got, expected, f"step {i} outputs")
+        assert_close_tree(xla_state(), cpu_state(), f"step {i} state")
+
+
+def _mlp(seed=0, width=16, out=4):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, out))
+
+
+def _batch(i, n=6, device="cpu"):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(n, 8, generator=g).to(device), torch.randn(n, 4, generator=g).to(device)
+
+
+def test_inference_returning_aliases_of_one_result():
+    def program(device, compile_):
+        model = _mlp().eval().to(device)
+
+        def f(x):
+            with torch.no_grad():
+                out = model(x)
+            return out, out.detach(), out.sum()
+
+        cf = compile_(f)
+        return (lambda i: cf(_batch(i, device=device)[0])), (lambda: list(model.parameters()))
+
+    run_against_eager(program)
+
+
+def test_copy_between_inputs_then_update_the_source():
+    """``q.copy_(p)`` in one compiled function, then ``p`` updated in place in another."""
+
+    def program(device, compile_):
+        g = torch.Generator().manual_seed(1)
+        p, q, grad = (torch.randn(5, generator=g).to(device) for _ in range(3))
+        cp = compile_(lambda q, p: q.copy_(p))
+
+        def upd(p, g):
+            p.sub_(0.1 * g)
+
+        upd = compile_(upd)
+
+        def step(i):
+            cp(q, p)
+            upd(p, grad)
+            return q.clone() if device.type == "cpu" else q
+
+        return step, lambda: [p, q]
+
+    run_against_eager(program, steps=3)
+
+
+def test_target_network_hard_update_while_training():
+    """DQN-style: a compiled hard update copies the online net into the target every other
+    step; a compiled AdamW step trains the online net reading the target under no_grad."""
+
+    def program(device, compile_):
+        online = _mlp(1).to(device)
+        target = _mlp(2).to(device)
+        opt = torch.optim.AdamW(online.parameters(), lr=1e-2)
+
+        def hard_update():
+            with torch.no_grad():
+                for tp, p in zip(target.parameters(), online.parameters()):
+                    tp.copy_(p)
+
+        def train(x, y):
+            with torch.no_grad():
+                goal = target(x) + y
+            loss = F.mse_loss(online(x), goal)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        hard_update, train = compile_(hard_update), compile_(train)
+
+        def step(i):
+            if i % 2 == 0:
+                hard_update()
+            return train(*_batch(i, device=device))
+
+        state = lambda: list(online.parameters()) + list(target.parameters())  # noqa: E731
+        return step, state
+
+    run_against_eager(program, steps=6)
+
+
+def test_gan_step_with_two_optimizers_in_one_function():
+    def program(device, compile_):
+        torch.manual_seed(3)
+        gen = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)).to(device)
+        disc = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1)).to(device)
+        opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3, betas=(0.5, 0.999))
+        opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3, betas=(0.5, 0.999))
+
+        def step(real, z):
+            # The generator runs again for its own update: reusing ``fake`` would
+            # backward twice through one compiled forward (aot_eager refuses it too).
+            d_loss = F.softplus(-disc(real)).mean() + F.softplus(disc(gen(z).detach())).mean()
+            d_loss.backward()
+            opt_d.step()
+            opt_d.zero_grad()
+            g_loss = F.softplus(-disc(gen(z))).mean()
+            g_loss.backward()
+            opt_g.step()
+            opt_g.zero_grad()
+            disc.zero_grad()
+            return d_loss.detach(), g_loss.detach()
+
+        cstep = compile_(step)
+
+        def run(i):
+            g = torch.Generator().manual_seed(i)
+            return cstep(torch.randn(6, 8, generator=g).to(device), torch.randn(6, 4, generator=g).to(device))
+
+        state = lambda: list(gen.parameters()) + list(disc.parameters())  # noqa: E731
+        return run, state
+
+    run_against_eager(program)
+
+
+def test_step_returning_a_detached_output_for_metrics():
+    def program(device, compile_):
+        model = _mlp(4).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, y):
+            out = model(x)
+            metrics = out.detach()
+            loss = F.mse_loss(out, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss, metrics
+
+        cstep = compile_(step)
+        return (lambda i: cstep(*_batch(i, device=device))), (lambda: list(model.parameters()))
+
+    run_against_eager(program)
+
+
+def test_step_staging_its_batch_into_a_persistent_buffer():
+    def program(device, compile_):
+        model = _mlp(5).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        buf_x = torch.zeros(6, 8, device=device)
+        buf_y = torch.zeros(6, 4, device=device)
+
+        def step(x, y):
+            buf_x.copy_(x)
+            buf_y.copy_(y)
+            loss = F.mse_loss(model(buf_x), buf_y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        cstep = compile_(step)
+        state = lambda: list(model.parameters()) + [buf_x, buf_y]  # noqa: E731
+        return (lambda i: cstep(*_batch(i, device=device))), state
+
+    run_against_eager(program)
+
+
+def test_tensor_literal_saved_for_backward():
+    """torch_xla's own DynamoTrainingBasicTest.test_simple_model shape."""
+
+    def program(device, compile_):
+        def f(x):
+            return x.gather(1, torch.tensor([[1], [2], [3]]).to(x.device)).sum()
+
+        cf = compile_(f)
+
+        def step(i):
+            x = torch.arange(12.0).reshape(3, 4).add(i).to(device).requires_grad_()
+            loss = cf(x)
+            loss.backward()
+            return loss, x.grad
+
+        return step, lambda: []
+
+    run_against_eager(program, steps=3)
+
+
+def test_cross_entropy_with_an_inline_target():
+    def program(device, compile_):
+        model = _mlp(6, out=5).to(device)
+
+        def f(x):
+            logits = model(x)
+            return F.cross_entropy(logits, torch.tensor([0, 1, 2, 3, 4, 0]).to(x.device))
+
+        cf = compile_(f)
+
+        def step(i):
+            loss = cf(_batch(i, device=device)[0])
+            loss.backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+            return loss, grads
+
+        return step, lambda: list(model.parameters())
+
+    run_against_eager(program, steps=3)
+
+
+def test_step_returning_loss_and_its_detached_copy():
+    def program(device, compile_):
+        model = _mlp(7).to(device)
+
+        def f(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss, loss.detach()
+
+        cf = compile_(f)
+
+        def step(i):
+            out = cf(*_batch(i, device=device))
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+            return out, grads
+
+        return step, lambda: list(model.parameters())
+
+    run_against_eager(program, steps=3)
+
+
+def test_returned_new_value_stays_valid_after_the_next_donating_call():
+    """A value that is both returned and written into an input must not share the
+    input's buffer: the next call donates that input."""
+
+    def program(device, compile_):
+        g = torch.Generator().manual_seed(8)
+        p, grad = torch.randn(5, generator=g).to(device), torch.randn(5, generator=g).to(device)
+
+        def upd(p, g):
+            new = p - 0.5 * g
+            p.copy_(new)
+            return new
+
+        cupd = compile_(upd)
+        kept = []
+
+        def step(i):
+            kept.append(cupd(p, grad))
+            return list(kept)  # every earlier result must still read its own value
+
+        return step, lambda: [p]
+
+    run_against_eager(program, steps=4)
