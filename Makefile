@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PJRT_DEVICE ?= CPU
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Differential fuzzing of the XLA path against eager PyTorch (about 1 s a scenario).
+FUZZ_COUNT ?= 2000
+fuzz: $(STAMP)
+	$(PY) tests/xla_fuzz.py --count $(FUZZ_COUNT) --out fuzz-results.json
 
 bench: $(STAMP)
 	$(PY) bench/compile.py

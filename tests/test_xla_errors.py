@@ -122,3 +122,57 @@ def test_tensor_with_a_symbolic_size_is_rejected_with_advice():
     fake = mode.from_tensor(torch.randn(4, 3), symbolic_context=dynamic_rows)
     with pytest.raises(UnsupportedGraphError, match=r"graph 9 forward: input #0 has a dynamic shape .*dynamic=False"):
         check_inputs([fake], "graph 9 forward")
+
+
+def test_custom_op_without_an_xla_kernel_is_rejected_before_tracing(xla_device):
+    """A CPU-only custom op would run torch_xla's CPU fallback on a placeholder (a crash)."""
+
+    @torch.library.custom_op("donate_xla_test::cpu_only", mutates_args=(), device_types="cpu")
+    def cpu_only(t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    @cpu_only.register_fake
+    def _(t):
+        return torch.empty_like(t)
+
+    assert not has_xla_lowering(torch.ops.donate_xla_test.cpu_only.default)
+    f = torch.compile(lambda t: torch.ops.donate_xla_test.cpu_only(t + 1), backend="donate_xla")
+    with pytest.raises(Exception) as info:
+        f(torch.randn(4).to(xla_device))
+    assert "donate_xla_test.cpu_only.default" in str(info.value)
+    assert "has no XLA lowering" in str(info.value)
+
+
+def test_custom_op_with_a_composite_kernel_is_traced(xla_device):
+    @torch.library.custom_op("donate_xla_test::composite", mutates_args=())
+    def composite(t: torch.Tensor) -> torch.Tensor:
+        return t * 2 + 1
+
+    @composite.register_fake
+    def _(t):
+        return torch.empty_like(t)
+
+    x = torch.randn(4)
+    f = torch.compile(lambda t: torch.ops.donate_xla_test.composite(t), backend="donate_xla")
+    torch.testing.assert_close(f(x.to(xla_device)).cpu(), x * 2 + 1)
+
+
+def test_debug_switch_writes_the_failing_graph_to_a_file(xla_device, monkeypatch):
+    import donate_backend.xla.lower as lower_module
+    from donate_backend import config
+
+    def failing_compile(*args, **kwargs):
+        raise RuntimeError("INTERNAL: boom")
+
+    monkeypatch.setattr(lower_module, "_compile_into_cache", failing_compile)
+    f = torch.compile(lambda t, u: t.mul_(3) + u, backend="donate_xla")
+    with config.patch(debug=True), pytest.raises(Exception) as info:
+        f(torch.randn(4).to(xla_device), torch.randn(4).to(xla_device))
+    match = re.search(r"The graph was written to (\S+\.txt)", str(info.value))
+    assert match, str(info.value)
+    with open(match.group(1)) as dump:
+        text = dump.read()
+    assert re.search(r"graph \d+ inference: traced on placeholders", text)
+    assert "#0   float32[4] xla donor" in text  # the input signature, with the donor
+    assert "torch.ops.aten.mul.Tensor" in text  # the FX code
+    assert "RuntimeError: INTERNAL: boom" in text

@@ -80,3 +80,55 @@ ENTRY %IrToHlo (p0: f32[4], p1: f32[4]) -> (f32[4], s64[]) {
   %constant = s64[] constant(<fingerprint>)
   ROOT %tuple = (f32[4]{0}, s64[]) tuple(f32[4]{0} %add, s64[] %constant)
 }""")
+
+    def test_each_stage_prints_itself_from_the_graph_record(self):
+        """Traced (inputs, donors, FX code) and lowered (parameter and result tables)."""
+        import re
+
+        import torch_xla
+
+        import donate_backend
+
+        device = torch_xla.device()
+        param, grad, staged = (torch.randn(4).to(device) for _ in range(3))
+
+        @torch.compile(backend="donate_xla")
+        def step(p, g, q):
+            with torch.no_grad():
+                p.add_(g, alpha=-0.5)
+                q.copy_(g)  # plain device data: the result is a copy
+            out = g * 2
+            return out, out.detach(), p.sum()
+
+        step(param, grad, staged)
+        (record,) = donate_backend.reports()
+        number = lambda text: re.sub(r"graph \d+", "graph N", text)  # noqa: E731
+        self.assertExpectedInline(number(record.lowered.traced.as_text()), """\
+graph N inference: traced on placeholders
+inputs:
+  #0   float32[4] xla donor
+  #1   float32[4] xla
+  #2   float32[4] xla donor
+code:
+  def forward(self, arg0_1, arg1_1, arg2_1):
+      mul = torch.ops.aten.mul.Tensor(arg1_1, -0.5)
+      add = torch.ops.aten.add.Tensor(arg0_1, mul);  mul = None
+      copy = torch.ops.aten.copy.default(arg2_1, arg1_1)
+      mul_1 = torch.ops.aten.mul.Tensor(arg1_1, 2);  arg1_1 = None
+      detach = torch.ops.aten.detach.default(mul_1)
+      detach_1 = torch.ops.aten.detach.default(detach);  detach = None
+      detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
+      sum_1 = torch.ops.aten.sum.default(add)
+      copy_ = torch.ops.aten.copy_.default(arg0_1, add);  arg0_1 = add = copy_ = None
+      copy__1 = torch.ops.aten.copy_.default(arg2_1, copy);  arg2_1 = copy = copy__1 = None
+      return (mul_1, detach_2, sum_1)""")
+        self.assertExpectedInline(number(record.lowered.as_text()), """\
+graph N inference: lowered
+parameters:
+  p0   input #1     float32[4]
+  p1   input #0     float32[4]  donated
+results:
+  r0   float32[4] -> writes input #0
+  r1   float32[4] (copy) -> writes input #2
+  r2   float32[4] -> output 0, output 1
+  r3   float32[] -> output 2""")

@@ -22,6 +22,10 @@ SAVED_FOR_BACKWARD = "its old value is saved for backward"
 RETURNED = "it is returned or aliased by an output"
 NO_MATCHING_OUTPUT = "no output has its shape and dtype, so no output can take its buffer"
 HOST_SCALAR = "it is a host (CPU) scalar, uploaded afresh on every call"
+DEVICE_SCALAR = (
+    "it is a 0-dim device tensor: torch_xla gives equal scalars one shared buffer "
+    "(its device-data cache), so another tensor may still read it"
+)
 
 
 def _storage_key(t: torch.Tensor):

@@ -52,6 +52,8 @@ def choose_donors(gm, example_inputs, ctx, roles) -> tuple[list[int], list]:
     for i in candidates:
         if i in host_scalars:
             reasons[i] = aliasing.HOST_SCALAR
+        elif example_inputs[i].dim() == 0:
+            reasons[i] = aliasing.DEVICE_SCALAR
         elif i in shared:
             reasons[i] = shared[i]
         elif i in reaching:

@@ -98,7 +98,7 @@ def _lower_live(gm, example_inputs, donors, graph_name, traced, keep_hlo_text) -
     to_host = [(meta_device(n) or torch.device("xla")).type == "cpu" for n in output_nodes(gm)]
     with traced_on_placeholders(gm, example_inputs, donors, graph_name) as live:
         traced = dataclasses.replace(traced, constants_uploaded=live.constants_uploaded)
-        plan = plan_results(live.holders, live.outputs, to_host, graph_name)
+        plan = plan_results(live.holders, live.outputs, to_host, graph_name, donors)
         try:
             if not plan.tensors:
                 return LoweredGraph(

@@ -114,8 +114,14 @@ def plan_results(
     traced_outputs: Sequence,
     to_host: Sequence[bool],
     graph_name: str,
+    donors: Sequence[int] = (),
 ) -> ResultPlan:
-    """Decide the HLO results: write-backs of written inputs first, then the outputs."""
+    """Decide the HLO results: write-backs of written inputs first, then the outputs.
+
+    Every donor is written back, even one whose traced value ended up unchanged
+    (``v1.copy_(v0); v0.add_(1); v0.copy_(v1)``): XLA invalidates a donated
+    buffer whether or not an output takes it over.
+    """
     tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
     input_of_id = {compat.tensor_id(holders[i]): i for i in tensor_inputs}
     tensors: list = []
@@ -134,7 +140,8 @@ def plan_results(
         specs.append(ResultSpec(tuple(t.shape), t.dtype, forced))
         return len(tensors) - 1
 
-    writebacks = tuple((i, add(holders[i])) for i in written_inputs(holders, tensor_inputs))
+    written = sorted(set(written_inputs(holders, tensor_inputs)) | set(donors))
+    writebacks = tuple((i, add(holders[i])) for i in written)
     outputs = []
     for value, host in zip(traced_outputs, to_host):
         if not isinstance(value, torch.Tensor):

@@ -1,0 +1,78 @@
+"""A CI-sized run of the differential fuzzer (tests/xla_fuzz.py); ``make fuzz`` runs 2,000."""
+import re
+
+import pytest
+
+from conftest import HAS_TORCH_XLA
+
+import xla_fuzz
+
+CI_SEEDS = range(10_000, 10_040)
+FEATURES = {
+    "tensor literal": r"torch\.(tensor|arange|full)\(",
+    "copy between inputs": r"(S\.\w+|a\d)\.copy_\((S\.\w+|a\d)\)",
+    "no_grad region": r"with torch\.no_grad\(\):",
+    "backward": r"\.backward\(",
+    "backward(inputs=)": r"\.backward\(inputs=",
+    "optimizer step": r"opts\[\d\]\.step\(\)",
+    "manual SGD": r"p\.sub_\(",
+    "in-place on an intermediate": r"h\d+\.mul_\(",
+    "returns an input": r"return \(.*\bx\b",
+    "returns a detach": r"return \(.*\.detach\(\)",
+    "returns a view": r"return \(.*(\.t\(\)|\[0\]|\.view\(-1\))",
+    "returns a reduction": r"return \(.*\.sum\(\)",
+}
+
+
+def _source_features(scenario) -> set:
+    text = scenario.source()
+    found = {name for name, pattern in FEATURES.items() if re.search(pattern, text)}
+    if len(scenario.functions) > 1:
+        found.add("several functions sharing state")
+    if any(src.count(".backward(") >= 2 for _, src in scenario.functions):
+        found.add("two backward phases in one function")
+    if scenario.tied:
+        found.add("tied weights")
+    if scenario.args:
+        found.add("tensors passed as arguments")
+    return found
+
+
+def test_the_generator_covers_what_users_write():
+    """Over the CI seeds every feature the fuzzer is meant to exercise appears."""
+    seen = set()
+    for seed in CI_SEEDS:
+        seen |= _source_features(xla_fuzz.generate(seed))
+    expected = set(FEATURES) | {
+        "several functions sharing state",
+        "two backward phases in one function",
+        "tied weights",
+        "tensors passed as arguments",
+    }
+    assert expected <= seen, expected - seen
+
+
+def test_generation_is_deterministic():
+    assert xla_fuzz.generate(123).source() == xla_fuzz.generate(123).source()
+    assert xla_fuzz.generate(123).source() != xla_fuzz.generate(124).source()
+
+
+def test_the_comparison_sees_a_wrong_value():
+    """Guards the fuzzer itself: a perturbed run is reported, an equal one is not."""
+    import torch
+
+    scenario = xla_fuzz.generate(CI_SEEDS[0])
+    expected = xla_fuzz.run(scenario, torch.device("cpu"), compiled=False)
+    assert xla_fuzz.difference(scenario, expected, expected, "eager") is None
+    outputs, state = expected.snapshots[0]
+    key = next(k for k, v in state.items() if isinstance(v, torch.Tensor))
+    perturbed = dict(state, **{key: state[key] + 0.01})
+    wrong = xla_fuzz.Run(expected.outputs, [(outputs, perturbed)] + expected.snapshots[1:])
+    assert key in xla_fuzz.difference(scenario, expected, wrong, "perturbed")
+
+
+@pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+@pytest.mark.parametrize("seed", CI_SEEDS)
+def test_random_training_program_matches_eager(seed):
+    outcome = xla_fuzz.check(seed)
+    assert outcome.status != "failed", f"seed {seed}: {outcome.detail}\n{outcome.source}"

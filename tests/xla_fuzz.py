@@ -1,0 +1,483 @@
+"""Differential fuzzer: random training programs, donate_xla on XLA vs eager PyTorch on the CPU.
+
+Each scenario is generated from one seed. It holds persistent state (a module
+with parameters and buffers, optional tied weights, one or two optimizers,
+extra tensors passed as arguments) and one to three functions written as
+Python source, the way users write training code:
+
+- forward passes with tensor literals made inside the function, slices,
+  ``torch.where`` and in-place ops on intermediates;
+- ``no_grad`` regions that update buffers (EMA), copy one input into another
+  (target-network hard updates, staging a batch), or write literals;
+- one or two backward/optimizer phases per function (GAN-style), manual SGD,
+  gradient accumulation across calls, ``zero_grad`` either way;
+- returns that mix inputs, views, detaches, reductions, losses and buffers,
+  so several outputs alias one another or an input.
+
+The functions are called in a random order for several steps, sharing the
+state. After every call the outputs and every piece of state (parameters,
+gradients, buffers, optimizer state, argument tensors) are compared with the
+eager run; at the end every output returned so far is compared again, which
+catches a buffer donated while an earlier output still reads it.
+
+A scenario that eager PyTorch itself rejects is "invalid" and not compared.
+
+Run ``python tests/xla_fuzz.py --count 2000`` (``make fuzz``); pytest runs a
+small budget (tests/test_xla_fuzz.py). A failure prints the seed and the
+source of the scenario.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+from typing import Optional
+
+import torch
+import torch.nn.functional as F  # noqa: F401 - used by generated code
+
+try:  # before any backward runs: torch_xla registers its device with the autograd engine
+    import torch_xla
+
+    torch_xla.device()
+except ImportError:  # the generator still imports; running needs torch_xla
+    torch_xla = None
+
+N, D = 4, 6  # batch rows, features
+RTOL, ATOL = 2e-3, 2e-4
+
+
+# -- generation --------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Scenario:
+    seed: int
+    tied: bool  # W1 is W0
+    optimizers: list  # source expressions building each optimizer
+    args: list  # (name, shape) of the extra tensors passed as arguments
+    functions: list  # (name, source)
+    calls: list  # function index per step
+
+    def source(self) -> str:
+        parts = [f"# seed {self.seed}; tied W1 is W0: {self.tied}"]
+        parts += [f"opts[{k}] = {expr}" for k, expr in enumerate(self.optimizers)]
+        parts += [f"# args: {self.args}"]
+        parts += [src for _, src in self.functions]
+        parts += [f"# calls: {[self.functions[i][0] for i in self.calls]}"]
+        return "\n".join(parts)
+
+
+class _Body:
+    """Builds one function's statements, tracking the values in scope."""
+
+    def __init__(self, rng: random.Random, args: list, n_opts: int):
+        self.rng = rng
+        self.lines: list[str] = []
+        self.acts: list[str] = ["x"]  # (N, D) values in the current grad region
+        self.uses: dict[str, set] = {"x": set()}  # parameters each value depends on
+        self.vecs: list[str] = []  # (D,) values made in the function
+        self.scalars: list[str] = []
+        self.returnable: list[str] = ["x"]
+        self.args = args
+        self.n_opts = n_opts
+        self.k = 0
+
+    def fresh(self, prefix: str) -> str:
+        self.k += 1
+        return f"{prefix}{self.k}"
+
+    def emit(self, line: str, indent: int = 1) -> None:
+        self.lines.append("    " * indent + line)
+
+    def act(self) -> str:
+        return self.rng.choice(self.acts)
+
+    def literal(self) -> str:
+        name = self.fresh("lit")
+        kind = self.rng.randrange(3)
+        if kind == 0:
+            values = ", ".join(f"{self.rng.choice([-1.5, -0.5, 0.25, 1.0, 2.0])}" for _ in range(D))
+            self.emit(f"{name} = torch.tensor([{values}], device=x.device)")
+        elif kind == 1:
+            self.emit(f"{name} = torch.arange({D}, dtype=torch.float32, device=x.device) * 0.1 - 0.2")
+        else:
+            self.emit(f"{name} = torch.full(({D},), {self.rng.choice([0.5, 1.5, -1.0])}, device=x.device)")
+        self.vecs.append(name)
+        self.returnable.append(name)
+        return name
+
+    def compute(self, with_params: bool = False) -> None:
+        r = 0 if with_params else self.rng.randrange(8)
+        out = self.fresh("h")
+        src = self.act()
+        used = set(self.uses[src])
+        if r <= 1:
+            act = self.rng.choice(["torch.tanh", "torch.relu", "torch.sigmoid", "F.gelu"])
+            w = self.rng.choice(["W0", "W1"])
+            self.emit(f"{out} = {act}({src} @ S.{w} + S.b0)")
+            used |= {w, "b0"}
+        elif r == 2:
+            lit = self.literal() if not self.vecs or self.rng.random() < 0.5 else self.rng.choice(self.vecs)
+            self.emit(f"{out} = {src} * {lit}")
+        elif r == 3:
+            self.emit(f"{out} = {src} + S.{self.rng.choice(['v0', 'v1'])}")
+        elif r == 4:
+            self.emit(f"{out} = {src} @ S.M0")
+        elif r == 5:
+            other = self.act()
+            self.emit(f"{out} = torch.cat([{src}[:, :3], {other}[:, 3:]], dim=1)")
+            used |= self.uses[other]
+        elif r == 6:
+            other = self.act()
+            self.emit(f"{out} = {src}.clone()")
+            self.emit(f"{out}.mul_({self.rng.choice([0.5, 2.0])}).add_({other})")
+            used |= self.uses[other]
+        else:
+            other = self.act()
+            self.emit(f"{out} = torch.where({src} > 0, {src}, {other} * 0.1)")
+            used |= self.uses[other]
+        self.uses[out] = used
+        self.acts.append(out)
+        self.returnable.append(out)
+
+    def no_grad_block(self) -> None:
+        if not self.vecs:
+            self.literal()  # literals are made outside the block, some are written into buffers
+        self.emit("with torch.no_grad():")
+        for _ in range(self.rng.randint(1, 3)):
+            r = self.rng.randrange(7)
+            if r == 0:
+                v = self.rng.choice(["v0", "v1"])
+                self.emit(f"S.{v}.mul_(0.9).add_({self.act()}.mean(0), alpha=0.1)", 2)
+            elif r == 1:
+                a, b = self.rng.sample(["v0", "v1"], 2)
+                self.emit(f"S.{a}.copy_(S.{b})", 2)
+            elif r == 2:
+                self.emit(f"S.M0.copy_(S.{self.rng.choice(['W0', 'W1'])})", 2)
+            elif r == 3 and self.args:
+                name, shape = self.rng.choice(self.args)
+                src = self.act() if shape == (N, D) else f"S.{self.rng.choice(['v0', 'v1', 'b0'])}"
+                self.emit(f"{name}.copy_({src})", 2)
+            elif r == 4:
+                self.emit(f"S.v{self.rng.randrange(2)}.add_({self.rng.choice(self.vecs)})", 2)
+            elif r == 5 and self.args:
+                a, b = self.rng.choice(self.args), self.rng.choice(self.args)
+                if a != b and a[1] == b[1]:
+                    self.emit(f"{a[0]}.copy_({b[0]})", 2)
+                else:
+                    self.emit(f"{a[0]}.mul_(0.5)", 2)
+            else:
+                self.emit(f"S.v1.copy_({self.act()}.sum(0))", 2)
+
+    def backward_phase(self) -> None:
+        if not any(self.uses[a] for a in self.acts):
+            self.compute(with_params=True)
+        src = self.rng.choice([a for a in self.acts if self.uses[a]])
+        loss = self.fresh("loss")
+        kind = self.rng.randrange(3)
+        if kind == 0:
+            self.emit(f"{loss} = F.mse_loss({src}, y)")
+        elif kind == 1:
+            self.emit(f"{loss} = ({src} * {src}).mean() + {src}.sum() * 0.01")
+        else:
+            self.emit(f"{loss} = F.smooth_l1_loss({src}, y)")
+        if self.rng.random() < 0.15 and "W0" in self.uses[src]:
+            self.emit(f"{loss}.backward(inputs=[S.W0])")
+        else:
+            self.emit(f"{loss}.backward()")
+        step = self.rng.randrange(5)
+        if step <= 1 and self.n_opts:
+            k = self.rng.randrange(self.n_opts)
+            self.emit(f"opts[{k}].step()")
+            self.emit(f"opts[{k}].zero_grad(set_to_none={self.rng.choice([True, False])})")
+        elif step == 2:
+            self.emit("with torch.no_grad():")
+            self.emit("for p in (S.W0, S.b0):", 2)
+            self.emit("if p.grad is not None:", 3)
+            self.emit("p.sub_(0.05 * p.grad)", 4)
+            self.emit("p.grad = None", 4)
+        # else: gradients accumulate across calls
+        self.scalars.append(loss)
+        self.returnable += [loss, f"{loss}.detach()"]
+        self.acts = ["x"]  # a new forward starts from the input again
+
+    def returns(self) -> None:
+        pool = list(self.returnable)
+        for a in self.acts[1:]:
+            pool += [f"{a}.detach()", f"{a}.sum()", f"{a}.t()", f"{a}[0]", f"{a}.view(-1)"]
+        pool += ["S.v0", "S.b0"] + [name for name, _ in self.args]
+        chosen = self.rng.sample(pool, k=min(len(pool), self.rng.randint(1, 5)))
+        self.emit(f"return ({', '.join(chosen)},)")
+
+
+def generate(seed: int) -> Scenario:
+    rng = random.Random(seed)
+    tied = rng.random() < 0.15
+    optimizers = []
+    for _ in range(rng.choice([0, 1, 1, 2])):
+        params = rng.choice(["[S.W0, S.b0]", "[S.W1]", "list(S.parameters())"])
+        optimizers.append(
+            rng.choice(
+                [
+                    f"torch.optim.SGD({params}, lr=0.05, momentum=0.9)",
+                    f"torch.optim.Adam({params}, lr=0.01, eps=1e-3)",
+                    f"torch.optim.AdamW({params}, lr=0.01, eps=1e-3, foreach={rng.choice([True, False])})",
+                ]
+            )
+        )
+    args = [(f"a{k}", rng.choice([(N, D), (D,)])) for k in range(rng.randint(0, 2))]
+    functions = []
+    for f in range(rng.randint(1, 3)):
+        body = _Body(rng, args, len(optimizers))
+        inference = rng.random() < 0.3  # the whole function under no_grad
+        for _ in range(rng.randint(1, 2)):  # one or two phases
+            for _ in range(rng.randint(1, 4)):
+                if rng.random() < 0.3:
+                    body.no_grad_block()
+                else:
+                    body.compute()
+            if not inference and rng.random() < 0.6:
+                body.backward_phase()
+            elif rng.random() < 0.5:
+                body.no_grad_block()
+        body.returns()
+        if inference:
+            body.lines = ["    with torch.no_grad():"] + ["    " + line for line in body.lines]
+        signature = ", ".join(["x", "y"] + [name for name, _ in args])
+        functions.append((f"f{f}", f"def f{f}({signature}):\n" + "\n".join(body.lines)))
+    calls = [rng.randrange(len(functions)) for _ in range(rng.randint(3, 5))]
+    return Scenario(seed, tied, optimizers, args, functions, calls)
+
+
+# -- running -----------------------------------------------------------------------------
+
+class State(torch.nn.Module):
+    """Built on its device: ``Module.to`` would untie W1 from W0 when moving to XLA."""
+
+    def __init__(self, tied: bool, seed: int, device: torch.device):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+
+        def make(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(device)
+
+        self.W0 = torch.nn.Parameter(make(D, D, scale=0.5))
+        self.W1 = self.W0 if tied else torch.nn.Parameter(make(D, D, scale=0.5))
+        self.b0 = torch.nn.Parameter(make(D, scale=0.1))
+        self.register_buffer("M0", make(D, D, scale=0.3))
+        self.register_buffer("v0", make(D))
+        self.register_buffer("v1", make(D))
+
+
+@dataclasses.dataclass
+class Run:
+    outputs: list  # per call: the returned tuple, as returned (kept alive)
+    snapshots: list  # per call: (outputs, state) copied to the CPU right after the call
+    error: Optional[BaseException] = None
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, (list, tuple)):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+def _state_values(state: State, opts: list, args: dict) -> dict:
+    values = {}
+    for name, p in state.named_parameters(remove_duplicate=False):
+        values[name] = p
+        values[name + ".grad"] = p.grad
+    for name, b in state.named_buffers():
+        values[name] = b
+    for k, opt in enumerate(opts):
+        for i, p_state in enumerate(opt.state.values()):
+            for key, v in sorted(p_state.items()):
+                values[f"opts[{k}].state[{i}].{key}"] = v
+    values.update(args)
+    out = {}
+    for k, v in values.items():
+        try:
+            out[k] = _to_cpu(v)
+        except RuntimeError as exc:
+            raise RuntimeError(f"reading {k}: {exc}") from exc
+    return out
+
+
+def run(scenario: Scenario, device: torch.device, compiled, backend: str = "donate_xla") -> Run:
+    state = State(scenario.tied, scenario.seed, device)
+    g = torch.Generator().manual_seed(scenario.seed + 1)
+    args = {name: torch.randn(*shape, generator=g).to(device) for name, shape in scenario.args}
+    opts: list = [None] * len(scenario.optimizers)
+    namespace = {"torch": torch, "F": torch.nn.functional, "S": state, "opts": opts}
+    for k, expr in enumerate(scenario.optimizers):
+        opts[k] = eval(expr, namespace)  # noqa: S307 - our own generated source
+    functions = []
+    for name, source in scenario.functions:
+        exec(compile(source, f"<fuzz {scenario.seed} {name}>", "exec"), namespace)  # noqa: S102
+        fn = namespace[name]
+        functions.append(torch.compile(fn, backend=backend) if compiled else fn)
+    result = Run([], [])
+    for step, index in enumerate(scenario.calls):
+        gb = torch.Generator().manual_seed(scenario.seed * 100 + step)
+        x = torch.randn(N, D, generator=gb).to(device)
+        y = torch.randn(N, D, generator=gb).to(device)
+        try:
+            out = functions[index](x, y, *args.values())
+            result.outputs.append(out)
+            result.snapshots.append((_to_cpu(out), _state_values(state, opts, args)))
+        except Exception as exc:  # noqa: BLE001 - compared with the other run
+            result.error = exc
+            return result
+    try:
+        result.snapshots.append(([_to_cpu(o) for o in result.outputs], {}))  # every output, at the end
+    except Exception as exc:  # noqa: BLE001
+        result.error = exc
+    return result
+
+
+def _compare(expected, got, where: str) -> Optional[str]:
+    if isinstance(expected, torch.Tensor) or isinstance(got, torch.Tensor):
+        if not (isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor)):
+            return f"{where}: {type(got).__name__} where eager has {type(expected).__name__}"
+        if expected.shape != got.shape or expected.dtype != got.dtype:
+            return f"{where}: {got.dtype}{list(got.shape)} where eager has {expected.dtype}{list(expected.shape)}"
+        if not torch.allclose(got, expected, rtol=RTOL, atol=ATOL, equal_nan=True):
+            diff = (got - expected).abs().max().item()
+            return f"{where}: values differ (max abs diff {diff:.3g})"
+        return None
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(expected):
+            return f"{where}: {got!r:.80} where eager has {expected!r:.80}"
+        for k, (e, g) in enumerate(zip(expected, got)):
+            problem = _compare(e, g, f"{where}[{k}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(expected, dict):
+        for key in expected:
+            problem = _compare(expected[key], got.get(key), f"{where}.{key}")
+            if problem:
+                return problem
+        return None
+    return None if expected == got else f"{where}: {got!r} where eager has {expected!r}"
+
+
+@dataclasses.dataclass
+class Outcome:
+    seed: int
+    # "passed"; "invalid": eager PyTorch rejects the program; "upstream": torch.compile
+    # with aot_eager on the CPU deviates from eager too (not donate_xla's doing);
+    # "failed": donate_xla deviates or raises
+    status: str
+    detail: str = ""
+    source: str = ""
+
+
+def difference(scenario: Scenario, expected: Run, got: Run, who: str) -> Optional[str]:
+    """The first difference between two runs of ``scenario``, or None."""
+    if got.error is not None:
+        text = "".join(traceback.format_exception_only(type(got.error), got.error))[-1500:]
+        return f"{who} raised: {text}"
+    for step, (exp, actual) in enumerate(zip(expected.snapshots, got.snapshots)):
+        where = (
+            "outputs at the end"
+            if step == len(scenario.calls)
+            else f"call {step} ({scenario.functions[scenario.calls[step]][0]})"
+        )
+        problem = _compare(exp[0], actual[0], f"{where} outputs") or _compare(exp[1], actual[1], f"{where} state")
+        if problem:
+            return problem
+    return None
+
+
+def check(seed: int) -> Outcome:
+    """Generate scenario ``seed``, run it eagerly on the CPU and with donate_xla on XLA."""
+    scenario = generate(seed)
+    torch._dynamo.reset()
+    expected = run(scenario, torch.device("cpu"), compiled=False)
+    if expected.error is not None:
+        return Outcome(seed, "invalid", f"eager: {type(expected.error).__name__}: {expected.error}")
+    got = run(scenario, torch_xla.device(), compiled=True)
+    torch._dynamo.reset()
+    problem = difference(scenario, expected, got, "donate_xla")
+    if problem is None:
+        return Outcome(seed, "passed")
+    reference = run(scenario, torch.device("cpu"), compiled=True, backend="aot_eager")
+    torch._dynamo.reset()
+    upstream = difference(scenario, expected, reference, "aot_eager")
+    if upstream is not None:
+        return Outcome(seed, "upstream", f"aot_eager on the CPU: {upstream}; donate_xla: {problem}", scenario.source())
+    return Outcome(seed, "failed", problem, scenario.source())
+
+
+# -- command line ------------------------------------------------------------------------
+
+def _run_chunk(seeds: list[int], progress_path: str) -> list[dict]:
+    outcomes = []
+    for seed in seeds:
+        with open(progress_path, "w") as f:
+            f.write(str(seed))
+        outcomes.append(dataclasses.asdict(check(seed)))
+    return outcomes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=2000)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--chunk", type=int, default=50, help="scenarios per fresh process")
+    parser.add_argument("--out", default="fuzz-results.json")
+    parser.add_argument("--worker", nargs=2, metavar=("SEEDS", "PROGRESS"), help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.worker:
+        seeds = json.loads(opts.worker[0])
+        print(json.dumps(_run_chunk(seeds, opts.worker[1])))
+        return 0
+    seeds = list(range(opts.start, opts.start + opts.count))
+    outcomes: list[dict] = []
+    started = time.time()
+    progress = opts.out + ".progress"
+    while seeds:
+        chunk, seeds = seeds[: opts.chunk], seeds[opts.chunk :]
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", json.dumps(chunk), progress],
+            capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU")),
+        )
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+        if proc.returncode == 0 and lines:
+            outcomes += json.loads(lines[-1])
+        else:  # the process died: the scenario it was running is a failure, the rest run again
+            with open(progress) as f:
+                crashed = int(f.read())
+            outcomes.append(
+                dataclasses.asdict(
+                    Outcome(crashed, "failed", f"process died (exit {proc.returncode}): {proc.stderr[-1500:]}",
+                            generate(crashed).source())
+                )
+            )
+            seeds = [s for s in chunk if s > crashed] + seeds
+        done = len(outcomes)
+        failed = sum(o["status"] == "failed" for o in outcomes)
+        print(f"{done} scenarios, {failed} failed, {time.time() - started:.0f} s", flush=True)
+    summary = {s: sum(o["status"] == s for o in outcomes) for s in ("passed", "invalid", "upstream", "failed")}
+    with open(opts.out, "w") as f:
+        json.dump({"summary": summary, "outcomes": outcomes}, f, indent=1)
+    print(json.dumps(summary))
+    for o in outcomes:
+        if o["status"] == "failed":
+            print(f"\n--- seed {o['seed']}: {o['detail']}\n{o['source']}")
+    return 1 if summary["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(__file__))
+    sys.exit(main())
