@@ -64,8 +64,8 @@ def test_inference_graph_updates_buffer_in_place(xla_device):
     torch.testing.assert_close(compiled_mod.running.cpu(), eager.running.cpu(), **TOL)
     assert int(compiled_mod.calls.cpu()) == 5
     (record,) = [r for r in donate_backend.reports() if r.kind == "inference"]
-    assert {d.role for d in record.donated} == {"buffer"}
-    assert len(record.donated) == 2
+    assert [(d.role, d.shape) for d in record.donated] == [("buffer", (6,))]
+    assert [e.role for e in record.excluded] == ["buffer"]  # the 0-dim counter is never donated
 
 
 def test_dropout_draws_fresh_masks(xla_device):

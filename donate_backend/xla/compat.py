@@ -93,6 +93,11 @@ def device_data_nodes(tensors: Sequence[torch.Tensor], uncloned: Sequence[torch.
     return list(ids), list(values)
 
 
+def data_handles(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The device buffer handle behind each tensor (a placeholder's too)."""
+    return list(_required("_get_tensors_handle")(list(tensors)))
+
+
 def seed_info_id() -> int:
     return _required("_get_seed_info_id")()
 

@@ -98,16 +98,16 @@ def _lower_live(gm, example_inputs, donors, graph_name, traced, keep_hlo_text) -
     to_host = [(meta_device(n) or torch.device("xla")).type == "cpu" for n in output_nodes(gm)]
     with traced_on_placeholders(gm, example_inputs, donors, graph_name) as live:
         traced = dataclasses.replace(traced, constants_uploaded=live.constants_uploaded)
-        plan = plan_results(live.holders, live.outputs, to_host, graph_name, donors)
+        plan = plan_results(live.holders, live.input_of_handle, live.outputs, to_host, graph_name, donors)
         try:
             if not plan.tensors:
                 return LoweredGraph(
                     graph_name, None, (), (), plan.writebacks, plan.outputs, donors, traced,
                     live.constants_uploaded,
                 )
-            plan.reorder(_donors_first_order(plan, donors, live.holders))
+            plan.reorder(_donors_first_order(plan, donors, live.holders, live.input_of_handle))
             plan.tensors.append(_fingerprint_output(graph_fingerprint(gm, example_inputs, donors)))
-            params = plan_parameters(plan.tensors, live.holders, example_inputs, graph_name)
+            params = plan_parameters(plan.tensors, live.holders, live.input_of_handle, example_inputs, graph_name)
             graph_hash = compat.graph_hash(plan.tensors)
             hlo = compat.hlo_text(plan.tensors) if keep_hlo_text or config.current().debug else None
             aliased = _compile_into_cache(plan.tensors, graph_hash)
@@ -212,7 +212,7 @@ def donors_first(donor_results: Sequence[int], result_count: int) -> list[int]:
     return list(donor_results) + [i for i in range(result_count) if i not in chosen]
 
 
-def _donors_first_order(plan, donors: Sequence[int], holders: Sequence) -> list[int]:
+def _donors_first_order(plan, donors: Sequence[int], holders: Sequence, input_of_handle: dict) -> list[int]:
     """Order the results so that XLA pairs each donor with its own new value.
 
     XLA's buffer-donor pass (OptimizeInputOutputBufferAlias) pairs donors and
@@ -226,13 +226,9 @@ def _donors_first_order(plan, donors: Sequence[int], holders: Sequence) -> list[
     result_of_input = {i: r for i, r in plan.writebacks if i in donor_set}
     if not result_of_input:
         return list(range(len(plan.tensors)))
-    tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
-    live_holders = [holders[i] for i in tensor_inputs]
-    input_of_id = dict(zip(compat.tensor_ids(live_holders), tensor_inputs))
-
     def donor_results_in_parameter_order(order: list[int]) -> list[int]:
-        ids, _ = compat.device_data_nodes([plan.tensors[i] for i in order], live_holders)
-        inputs = (input_of_id.get(pid) for pid in ids)
+        _, values = compat.device_data_nodes([plan.tensors[i] for i in order])
+        inputs = (input_of_handle.get(h) for h in compat.data_handles(values))
         return [result_of_input[i] for i in inputs if i in result_of_input]
 
     order, stable = settle_donor_order(donor_results_in_parameter_order, len(plan.tensors))

@@ -90,27 +90,30 @@ class ResultPlan:
         )
 
 
-def written_inputs(holders: Sequence, tensor_inputs: Sequence[int]) -> list[int]:
-    """Inputs whose placeholder no longer holds its own value after tracing.
+def written_inputs(holders: Sequence, input_of_handle: dict) -> list[int]:
+    """Inputs whose stand-in no longer holds its own buffer after tracing.
 
     Either it has pending IR (an in-place op computed a new value) or its
-    value is another tensor's device data (``q.copy_(p)``).
+    value is other device data (``q.copy_(p)``). ``input_of_handle`` maps the
+    buffer handle each stand-in started with to its input index.
     """
-    live = [holders[i] for i in tensor_inputs]
-    pending = compat.need_materialization(live)
+    own = {i: h for h, i in input_of_handle.items()}
+    inputs = sorted(own)
+    live = [holders[i] for i in inputs]
     written = []
-    for i, t, is_pending in zip(tensor_inputs, live, pending):
+    for i, t, is_pending in zip(inputs, live, compat.need_materialization(live)):
         if is_pending:
             written.append(i)
             continue
-        data_ids, _ = compat.device_data_nodes([t], [t])
-        if data_ids != [compat.tensor_id(t)]:
+        _, values = compat.device_data_nodes([t])
+        if compat.data_handles(values) != [own[i]]:
             written.append(i)
     return written
 
 
 def plan_results(
     holders: Sequence,
+    input_of_handle: dict,
     traced_outputs: Sequence,
     to_host: Sequence[bool],
     graph_name: str,
@@ -140,7 +143,7 @@ def plan_results(
         specs.append(ResultSpec(tuple(t.shape), t.dtype, forced))
         return len(tensors) - 1
 
-    written = sorted(set(written_inputs(holders, tensor_inputs)) | set(donors))
+    written = sorted(set(written_inputs(holders, input_of_handle)) | set(donors))
     writebacks = tuple((i, add(holders[i])) for i in written)
     outputs = []
     for value, host in zip(traced_outputs, to_host):
@@ -169,19 +172,18 @@ def _check_all_kept(tensors: Sequence, graph_name: str) -> None:
 def plan_parameters(
     results: Sequence,
     holders: Sequence,
+    input_of_handle: dict,
     example_inputs: Sequence,
     graph_name: str,
 ) -> tuple:
     """The source of every HLO parameter, checked against the inputs that feed it."""
-    tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
-    live_holders = [holders[i] for i in tensor_inputs]
-    input_of_id = dict(zip(compat.tensor_ids(live_holders), tensor_inputs))
     seed_id = compat.seed_info_id()
-    ids, values = compat.device_data_nodes(results, live_holders)
+    ids, values = compat.device_data_nodes(results)  # fresh wrappers: each has a handle
+    handles = compat.data_handles(values)
     params = []
-    for position, (pid, value) in enumerate(zip(ids, values)):
-        if pid in input_of_id:
-            index = input_of_id[pid]
+    for position, (pid, handle, value) in enumerate(zip(ids, handles, values)):
+        if handle in input_of_handle:
+            index = input_of_handle[handle]
             param = HloParam("input", input_index=index, shape=tuple(value.shape), dtype=value.dtype)
             _check_input_param(param, position, example_inputs[index], graph_name)
         elif pid == seed_id:

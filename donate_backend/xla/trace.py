@@ -228,6 +228,7 @@ class LiveTrace:
     holders: list
     outputs: list
     constants_uploaded: int
+    input_of_handle: dict = dataclasses.field(default_factory=dict)  # buffer handle -> input index
 
 
 @contextlib.contextmanager
@@ -245,8 +246,10 @@ def traced_on_placeholders(
             compat.make_placeholder(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t
             for t in example_inputs
         ]
+        tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
+        handles = compat.data_handles([holders[i] for i in tensor_inputs])
         tracer = _PlaceholderTracer(gm, graph_name, torch_xla.device())
-        live = LiveTrace(holders, [], 0)
+        live = LiveTrace(holders, [], 0, dict(zip(handles, tensor_inputs)))
         try:
             for i in donors:
                 compat.set_buffer_donation(holders[i], True)
