@@ -23,6 +23,7 @@ class InputDonation:
     shape: tuple
     dtype: str
     nbytes: int
+    sharding: str = ""  # SPMD: torch_xla's sharding spec of the donor ("" when not sharded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +107,9 @@ def format_record(r: GraphRecord) -> str:
         state = "on" if r.donation_enabled else "off (DONATE_XLA_DONATION=0)"
         lines.append(f"  donation {state}: {len(r.donated)} inputs, {_mib(r.donated_bytes)}")
         for d in r.donated:
+            sharding = f" {d.sharding}" if d.sharding else ""
             lines.append(
-                f"    donated  #{d.index:<3} {d.role:<15} {d.dtype}{list(d.shape)} {d.nbytes} B"
+                f"    donated  #{d.index:<3} {d.role:<15} {d.dtype}{list(d.shape)} {d.nbytes} B{sharding}"
             )
         for e in r.excluded:
             lines.append(f"    excluded #{e.index:<3} {e.role:<15} {e.reason}")

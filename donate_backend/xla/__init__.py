@@ -6,6 +6,7 @@ import logging
 from ..analysis.aliasing import overlapping_inputs_written
 from ..errors import UnsupportedGraphError
 from .compiler import compile_graph
+from .sharding import mark_sharding
 
 log = logging.getLogger("donate_xla")
 
@@ -46,4 +47,9 @@ def check_dynamo_graph(gm, example_inputs, graph_id: int) -> None:
         )
 
 
-__all__ = ["compile_graph", "aot_options", "check_dynamo_graph"]
+def capture(gm, example_inputs) -> None:
+    """Dynamo-level facts for the compilers: none on the XLA path."""
+    return None
+
+
+__all__ = ["capture", "compile_graph", "aot_options", "check_dynamo_graph", "mark_sharding"]

@@ -98,6 +98,21 @@ def data_handles(tensors: Sequence[torch.Tensor]) -> list[int]:
     return list(_required("_get_tensors_handle")(list(tensors)))
 
 
+def handles_or_none(tensors: Sequence[torch.Tensor]) -> list:
+    """Like ``data_handles``, with None for a tensor that holds no buffer handle itself
+    (its value is pending IR or another tensor's device data)."""
+    try:
+        return data_handles(tensors)
+    except RuntimeError:
+        out = []
+        for t in tensors:
+            try:
+                out.append(data_handles([t])[0])
+            except RuntimeError:
+                out.append(None)
+        return out
+
+
 def seed_info_id() -> int:
     return _required("_get_seed_info_id")()
 
@@ -105,6 +120,35 @@ def seed_info_id() -> int:
 def is_placeholder(t: torch.Tensor) -> bool:
     """True for a tensor whose buffer has no value (a placeholder's)."""
     return bool(_required("_is_placecholder")(t))  # sic: torch_xla's spelling
+
+
+def get_buffer_donation(t: torch.Tensor) -> bool:
+    return bool(_required("_get_buffer_donation")(t))
+
+
+# -- SPMD --------------------------------------------------------------------------------
+
+def is_spmd() -> bool:
+    """Whether torch_xla runs in SPMD mode (``torch_xla.runtime.use_spmd()``)."""
+    import torch_xla.runtime as xr
+
+    is_spmd_fn = getattr(xr, "is_spmd", None)
+    return bool(is_spmd_fn()) if is_spmd_fn is not None else False
+
+
+def sharding_specs(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """torch_xla's sharding spec text of each tensor ("" when it has none)."""
+    return list(_required("_get_xla_sharding_specs")(list(tensors)))
+
+
+def op_sharding(t: torch.Tensor):
+    """The ``xla::OpSharding`` of ``t``, or None."""
+    return _required("_get_xla_op_sharding")(t)
+
+
+def annotate_sharding(t: torch.Tensor, sharding) -> None:
+    """Pin the sharding of a pending (computed) tensor in the HLO being built."""
+    _required("_xla_mark_sharding")(t, sharding)
 
 
 # -- tracing settings --------------------------------------------------------------------

@@ -16,9 +16,10 @@ import torch
 from .. import config, report
 from ..analysis import aliasing, mutation
 from ..builds import BuildsPerSetting
-from . import metrics
-from .lower import LoweredGraph, lower
-from .runtime import XlaExecutable
+from . import compat, metrics
+from . import spmd
+from .lower import LoweredGraph, input_shardings, lower, sharding_signature
+from .runtime import PerShardingExecutable, XlaExecutable
 from .trace import check_inputs, output_nodes
 
 _warned_unusable: set[str] = set()
@@ -83,7 +84,8 @@ def _warn_unusable(graph_name: str, exclusions) -> None:
         )
 
 
-def _donation_record(example_inputs, donors, roles, kind) -> list:
+def _donation_record(example_inputs, donors, roles, kind, shardings: tuple = ()) -> list:
+    """One ``InputDonation`` per donor; ``shardings``: the spec per input (SPMD)."""
     records = []
     for i in donors:
         t = example_inputs[i]
@@ -94,6 +96,7 @@ def _donation_record(example_inputs, donors, roles, kind) -> list:
                 shape=tuple(t.shape),
                 dtype=str(t.dtype).replace("torch.", ""),
                 nbytes=t.numel() * t.element_size(),
+                sharding=(shardings[i] or "") if shardings else "",
             )
         )
     return records
@@ -116,18 +119,33 @@ class SwitchAwareExecutable:
 
 
 def compile_graph(gm, example_inputs, ctx):
+    """Analyse ``gm`` and compile it for the switches in force (see module docstring).
+
+    Under SPMD the lowering waits for the first call: the HLO parameters must
+    carry the shardings of the real inputs (``PerShardingExecutable``).
+    """
     example_inputs = list(example_inputs)
     roles = tuple(getattr(ctx, "input_roles", ()) or ())
     donors, exclusions = choose_donors(gm, example_inputs, ctx, roles)
 
-    def build(settings: config.Settings) -> XlaExecutable:
+    def executable_for(settings: config.Settings, real_inputs=None) -> XlaExecutable:
         active = donors if settings.donation else []
 
-        def relower(donate: bool) -> LoweredGraph:
-            return lower(gm, example_inputs, active if donate else [], ctx.name)
+        pinned = None
+        if real_inputs is not None and ctx.kind == "forward":
+            spmd.remember_forward_inputs(ctx.graph_id, real_inputs, input_shardings(real_inputs))
+        elif real_inputs is not None and ctx.kind == "backward":
+            pinned = spmd.gradient_shardings(ctx.graph_id, len(output_nodes(gm)))
+
+        def relower(donate: bool, device_args=None) -> LoweredGraph:
+            return lower(
+                gm, example_inputs, active if donate else [], ctx.name,
+                real_inputs=device_args if real_inputs is not None else None,
+                output_shardings=pinned,
+            )
 
         start, before = time.perf_counter(), metrics.transfer_snapshot()
-        lowered = relower(True)
+        lowered = relower(True, real_inputs)
         seconds = time.perf_counter() - start
         transfers = metrics.transfer_snapshot().minus(before)
         report.add(
@@ -141,14 +159,22 @@ def compile_graph(gm, example_inputs, ctx):
                 transfers_count=transfers.transfer_count,
                 transfers_bytes=int(transfers.outbound_bytes),
                 constants_uploaded=lowered.constants_uploaded,
-                donated=_donation_record(example_inputs, lowered.donors, roles, ctx.kind),
+                donated=_donation_record(
+                    example_inputs, lowered.donors, roles, ctx.kind,
+                    sharding_signature(real_inputs) if real_inputs is not None else (),
+                ),
                 excluded=list(exclusions),
                 donation_enabled=settings.donation,
                 lowered=lowered,
             )
         )
-        return XlaExecutable(ctx.name, lowered, relower)
+        return XlaExecutable(ctx.name, lowered, relower, tags_untrusted=real_inputs is not None)
+
+    def build(settings: config.Settings):
+        if compat.is_spmd():
+            return PerShardingExecutable(ctx.name, lambda device_args: executable_for(settings, device_args))
+        return executable_for(settings)
 
     executable = SwitchAwareExecutable(BuildsPerSetting(build))
-    executable.executable()  # compile now, under the settings in force
+    executable.executable()  # compile now (SPMD: at the first call), under the settings in force
     return executable

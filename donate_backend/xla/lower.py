@@ -31,7 +31,7 @@ import torch_xla
 
 from .. import config
 from ..errors import DonateXlaError, UnsupportedGraphError
-from . import compat, metrics
+from . import compat, metrics, spmd
 from .plan import HloParam, OutputSlot, ResultSpec, describe, plan_parameters, plan_results
 from .trace import TracedGraph, check_inputs, input_specs, meta_device, output_nodes, traced_on_placeholders
 
@@ -73,8 +73,17 @@ def lower(
     donors: Sequence[int],
     graph_name: str,
     keep_hlo_text: bool = False,
+    real_inputs: Optional[Sequence] = None,
+    output_shardings: Optional[dict] = None,
 ) -> LoweredGraph:
     """Trace ``gm`` on placeholders, plan its results and parameters, compile it.
+
+    ``real_inputs`` (SPMD): the call's device tensors. The graph is then traced
+    on lazy clones of them, so each HLO parameter carries its input's sharding
+    (no data moves), and every write-back keeps its input's sharding.
+    ``output_shardings`` pins the sharding of graph outputs by position,
+    ``{position: (shape, OpSharding)}``, where the shape matches (a backward's
+    gradients: see ``spmd.py``).
 
     A failure is raised as ``UnsupportedGraphError`` with the original
     exception chained; its traceback's frames are cleared first, so it keeps
@@ -82,32 +91,52 @@ def lower(
     """
     donors = tuple(donors) if compat.supports_donation() else ()
     host_scalars = check_inputs(example_inputs, graph_name)
+    if real_inputs is not None:  # host scalars are uploaded per call: traced on placeholders
+        real_inputs = [None if i in host_scalars else t for i, t in enumerate(real_inputs)]
     before = metrics.transfer_snapshot()
     traced = TracedGraph(
         graph_name, gm, input_specs(example_inputs, donors, host_scalars), example_inputs=tuple(example_inputs)
     )
     try:
-        lowered = _lower_live(gm, example_inputs, donors, graph_name, traced, keep_hlo_text)
+        lowered = _lower_live(
+            gm, example_inputs, donors, graph_name, traced, keep_hlo_text, real_inputs, output_shardings or {}
+        )
     except Exception as exc:  # noqa: BLE001 - re-raised with the graph's name
         raise _lowering_error(exc, traced) from _without_frames(exc)
     transfers = metrics.transfer_snapshot().minus(before)
     return dataclasses.replace(lowered, transfers=transfers)
 
 
-def _lower_live(gm, example_inputs, donors, graph_name, traced, keep_hlo_text) -> LoweredGraph:
+def _lower_live(
+    gm, example_inputs, donors, graph_name, traced, keep_hlo_text, real_inputs, output_shardings
+) -> LoweredGraph:
     to_host = [(meta_device(n) or torch.device("xla")).type == "cpu" for n in output_nodes(gm)]
-    with traced_on_placeholders(gm, example_inputs, donors, graph_name) as live:
+    shardings = input_shardings(real_inputs) if real_inputs is not None else {}
+    if shardings:  # replicated optimizer state takes its parameter's sharding
+        specs = sharding_signature(real_inputs)
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else () for t in example_inputs]
+        for i, source in spmd.inherited_shardings(gm, specs, shapes).items():
+            shardings[i] = shardings[source]
+    with traced_on_placeholders(gm, example_inputs, donors, graph_name, real_inputs) as live:
         traced = dataclasses.replace(traced, constants_uploaded=live.constants_uploaded)
-        plan = plan_results(live.holders, live.input_of_handle, live.outputs, to_host, graph_name, donors)
+        plan = plan_results(live, live.outputs, to_host, graph_name, donors)
         try:
             if not plan.tensors:
                 return LoweredGraph(
                     graph_name, None, (), (), plan.writebacks, plan.outputs, donors, traced,
                     live.constants_uploaded,
                 )
-            plan.reorder(_donors_first_order(plan, donors, live.holders, live.input_of_handle))
-            plan.tensors.append(_fingerprint_output(graph_fingerprint(gm, example_inputs, donors)))
-            params = plan_parameters(plan.tensors, live.holders, live.input_of_handle, example_inputs, graph_name)
+            for i, r in plan.writebacks:  # new values keep their input's sharding
+                if i in shardings:
+                    compat.annotate_sharding(plan.tensors[r], shardings[i])
+            for position, slot in enumerate(plan.outputs):
+                pinned = output_shardings.get(position)
+                if slot.kind == "result" and pinned and tuple(plan.tensors[slot.index].shape) == pinned[0]:
+                    compat.annotate_sharding(plan.tensors[slot.index], pinned[1])
+            plan.reorder(_donors_first_order(plan, donors, live))
+            fingerprint = graph_fingerprint(gm, example_inputs, donors, sharding_signature(real_inputs))
+            plan.tensors.append(_fingerprint_output(fingerprint))
+            params = plan_parameters(plan.tensors, live, example_inputs, graph_name)
             graph_hash = compat.graph_hash(plan.tensors)
             hlo = compat.hlo_text(plan.tensors) if keep_hlo_text or config.current().debug else None
             aliased = _compile_into_cache(plan.tensors, graph_hash)
@@ -167,7 +196,34 @@ def dump_failed_graph(traced: TracedGraph, exc: BaseException) -> Optional[str]:
     return path
 
 
-def graph_fingerprint(gm: torch.fx.GraphModule, example_inputs: Sequence, donors: Sequence[int]) -> int:
+def input_shardings(real_inputs: Sequence) -> dict:
+    """Input index -> ``OpSharding`` of each XLA input that is split over devices.
+
+    Replicated inputs are left out: the new value of a replicated optimizer
+    state may take its gradient's sharding instead (what eager SPMD does).
+    """
+    signature = sharding_signature(real_inputs)
+    return {
+        i: compat.op_sharding(t)
+        for i, (t, spec) in enumerate(zip(real_inputs, signature))
+        if spec and spec != "{replicated}"
+    }
+
+
+def sharding_signature(real_inputs: Optional[Sequence]) -> tuple:
+    """The sharding spec of every XLA input ("" for none); () without real inputs."""
+    if real_inputs is None:
+        return ()
+    xla_inputs = [t for t in real_inputs if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+    specs = iter(compat.sharding_specs(xla_inputs))
+    return tuple(
+        next(specs) if isinstance(t, torch.Tensor) and t.device.type == "xla" else None for t in real_inputs
+    )
+
+
+def graph_fingerprint(
+    gm: torch.fx.GraphModule, example_inputs: Sequence, donors: Sequence[int], shardings: tuple = ()
+) -> int:
     """A 62-bit number that differs for graphs that compute different things.
 
     torch_xla's graph hash does not tell apart graphs that differ only in which
@@ -178,7 +234,7 @@ def graph_fingerprint(gm: torch.fx.GraphModule, example_inputs: Sequence, donors
         (tuple(t.shape), str(t.dtype), t.device.type) if isinstance(t, torch.Tensor) else repr(t)
         for t in example_inputs
     ]
-    text = f"{gm.code}\n{signature}\n{sorted(donors)}"
+    text = f"{gm.code}\n{signature}\n{sorted(donors)}\n{shardings}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
 
 
@@ -212,7 +268,7 @@ def donors_first(donor_results: Sequence[int], result_count: int) -> list[int]:
     return list(donor_results) + [i for i in range(result_count) if i not in chosen]
 
 
-def _donors_first_order(plan, donors: Sequence[int], holders: Sequence, input_of_handle: dict) -> list[int]:
+def _donors_first_order(plan, donors: Sequence[int], live) -> list[int]:
     """Order the results so that XLA pairs each donor with its own new value.
 
     XLA's buffer-donor pass (OptimizeInputOutputBufferAlias) pairs donors and
@@ -227,8 +283,7 @@ def _donors_first_order(plan, donors: Sequence[int], holders: Sequence, input_of
     if not result_of_input:
         return list(range(len(plan.tensors)))
     def donor_results_in_parameter_order(order: list[int]) -> list[int]:
-        _, values = compat.device_data_nodes([plan.tensors[i] for i in order])
-        inputs = (input_of_handle.get(h) for h in compat.data_handles(values))
+        _, _, inputs = live.data_read_by([plan.tensors[i] for i in order])
         return [result_of_input[i] for i in inputs if i in result_of_input]
 
     order, stable = settle_donor_order(donor_results_in_parameter_order, len(plan.tensors))

@@ -90,30 +90,23 @@ class ResultPlan:
         )
 
 
-def written_inputs(holders: Sequence, input_of_handle: dict) -> list[int]:
-    """Inputs whose stand-in no longer holds its own buffer after tracing.
+def written_inputs(live) -> list[int]:
+    """Inputs whose stand-in no longer holds its own value after tracing.
 
     Either it has pending IR (an in-place op computed a new value) or its
-    value is other device data (``q.copy_(p)``). ``input_of_handle`` maps the
-    buffer handle each stand-in started with to its input index.
+    value is other device data (``q.copy_(p)``).
     """
-    own = {i: h for h, i in input_of_handle.items()}
-    inputs = sorted(own)
-    live = [holders[i] for i in inputs]
+    inputs = [i for i, h in enumerate(live.holders) if isinstance(h, torch.Tensor)]
+    stand_ins = [live.holders[i] for i in inputs]
     written = []
-    for i, t, is_pending in zip(inputs, live, compat.need_materialization(live)):
-        if is_pending:
-            written.append(i)
-            continue
-        _, values = compat.device_data_nodes([t])
-        if compat.data_handles(values) != [own[i]]:
+    for i, t, is_pending in zip(inputs, stand_ins, compat.need_materialization(stand_ins)):
+        if is_pending or live.data_read_by([t])[2] != [i]:
             written.append(i)
     return written
 
 
 def plan_results(
-    holders: Sequence,
-    input_of_handle: dict,
+    live,
     traced_outputs: Sequence,
     to_host: Sequence[bool],
     graph_name: str,
@@ -125,6 +118,7 @@ def plan_results(
     (``v1.copy_(v0); v0.add_(1); v0.copy_(v1)``): XLA invalidates a donated
     buffer whether or not an output takes it over.
     """
+    holders = live.holders
     tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
     input_of_id = {compat.tensor_id(holders[i]): i for i in tensor_inputs}
     tensors: list = []
@@ -143,7 +137,7 @@ def plan_results(
         specs.append(ResultSpec(tuple(t.shape), t.dtype, forced))
         return len(tensors) - 1
 
-    written = sorted(set(written_inputs(holders, input_of_handle)) | set(donors))
+    written = sorted(set(written_inputs(live)) | set(donors))
     writebacks = tuple((i, add(holders[i])) for i in written)
     outputs = []
     for value, host in zip(traced_outputs, to_host):
@@ -169,32 +163,25 @@ def _check_all_kept(tensors: Sequence, graph_name: str) -> None:
         )
 
 
-def plan_parameters(
-    results: Sequence,
-    holders: Sequence,
-    input_of_handle: dict,
-    example_inputs: Sequence,
-    graph_name: str,
-) -> tuple:
+def plan_parameters(results: Sequence, live, example_inputs: Sequence, graph_name: str) -> tuple:
     """The source of every HLO parameter, checked against the inputs that feed it."""
     seed_id = compat.seed_info_id()
-    ids, values = compat.device_data_nodes(results)  # fresh wrappers: each has a handle
-    handles = compat.data_handles(values)
+    tags, values, inputs = live.data_read_by(results)
     params = []
-    for position, (pid, handle, value) in enumerate(zip(ids, handles, values)):
-        if handle in input_of_handle:
-            index = input_of_handle[handle]
-            param = HloParam("input", input_index=index, shape=tuple(value.shape), dtype=value.dtype)
+    for position, (tag, value, index) in enumerate(zip(tags, values, inputs)):
+        shape, dtype = tuple(value.shape), value.dtype
+        if index is not None:
+            param = HloParam("input", input_index=index, shape=shape, dtype=dtype)
             _check_input_param(param, position, example_inputs[index], graph_name)
-        elif pid == seed_id:
-            param = HloParam("seed", shape=tuple(value.shape), dtype=value.dtype)
+        elif tag == seed_id:
+            param = HloParam("seed", shape=shape, dtype=dtype)
         elif compat.is_placeholder(value):
             raise LoweringMismatchError(
                 f"donate_xla: {graph_name}: HLO parameter {position} reads a placeholder that "
                 "is none of the graph's inputs; please report this with the graph."
             )
         else:
-            param = HloParam("constant", constant=value, shape=tuple(value.shape), dtype=value.dtype)
+            param = HloParam("constant", constant=value, shape=shape, dtype=dtype)
         params.append(param)
     return tuple(params)
 

@@ -81,8 +81,24 @@ def donors_owning_their_buffers(tensors: Sequence[torch.Tensor]) -> bool:
     tensor that copied another's buffer, or whose buffer was copied, fails this.
     """
     own_ids = compat.tensor_ids(tensors)
-    data_ids, _ = compat.device_data_nodes(tensors)
+    # passing the tensors back keeps torch_xla from wrapping (and so re-tagging) their buffers
+    data_ids, _ = compat.device_data_nodes(tensors, tensors)
     return sorted(data_ids) == sorted(own_ids)
+
+
+def donor_buffers_distinct(device_args: Sequence, donors: Sequence[int]) -> bool:
+    """Each donor holds a buffer of its own that no other argument holds.
+
+    Two tensors synced together from one IR value (``exp_avg`` and ``exp_avg_sq``
+    both ``zeros_like(p)``) can come back as one buffer.
+    """
+    tensors = [a for a in device_args if isinstance(a, torch.Tensor) and a.device.type == "xla"]
+    position = {id(t): k for k, t in enumerate(tensors)}
+    handles = compat.handles_or_none(tensors)
+    donor_handles = [handles[position[id(device_args[i])]] for i in donors]
+    if any(h is None for h in donor_handles):
+        return False
+    return all(handles.count(h) == 1 for h in donor_handles)
 
 
 def _may_be_cache_miss(exc: RuntimeError) -> bool:
@@ -112,7 +128,8 @@ class XlaExecutable:
         self,
         graph_name: str,
         lowered: LoweredGraph,
-        relower: Callable[[bool], LoweredGraph],
+        relower: Callable[[bool, list], LoweredGraph],
+        tags_untrusted: bool = False,
     ):
         self.graph_name = graph_name
         self.lowered = lowered
@@ -122,10 +139,17 @@ class XlaExecutable:
         self.calls_without_donation = 0  # calls where a donor shared its buffer
         self.last_call: Optional[LoweredGraph] = None  # the variant the last call ran
         self._checked: set = set()  # hashes whose results were checked against the plan
+        # Lowering on the real buffers (SPMD) re-tags them with torch_xla's temporary
+        # wrappers, so the first call cannot read ownership from the tags; its
+        # write-back tags them again.
+        self._tags_untrusted = tags_untrusted
 
     def __call__(self, args: list):
         args = list(args)
-        device_args = self._device_args(args)
+        return self.run(args, self._device_args(args))
+
+    def run(self, args: list, device_args: list):
+        """One call, given the arguments already on the device (``materialized_device_args``)."""
         lowered = self._choose_variant(args, device_args)
         self.last_call = lowered
         results = []
@@ -134,18 +158,13 @@ class XlaExecutable:
         self._write_back(args, lowered, results)
         return [self._output(slot, args, results) for slot in lowered.outputs]
 
-    def _plain_variant(self) -> LoweredGraph:
+    def _plain_variant(self, device_args: list) -> LoweredGraph:
         if self._without_donation is None:
-            self._without_donation = self._relower(False)
+            self._without_donation = self._relower(False, device_args)
         return self._without_donation
 
     def _device_args(self, args: list) -> list:
-        device_args = list(args)
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and a.device.type != "xla":
-                device_args[i] = a.to(self.device)
-        _materialize_pending([a for a in device_args if isinstance(a, torch.Tensor)])
-        return device_args
+        return materialized_device_args(args, self.device)
 
     def _choose_variant(self, args: list, device_args: list) -> LoweredGraph:
         """The donating graph if every donor is safe to donate now, else the plain one."""
@@ -153,14 +172,16 @@ class XlaExecutable:
         if not lowered.donors:
             return lowered
         donors = [device_args[i] for i in lowered.donors]
+        trust_tags, self._tags_untrusted = not self._tags_untrusted, False
         safe = (
             not _donors_passed_twice(args, lowered.donors)
             and all(has_identity_storage(t) for t in donors)
-            and donors_owning_their_buffers(donors)
+            and donor_buffers_distinct(device_args, lowered.donors)
+            and (not trust_tags or donors_owning_their_buffers(donors))
         )
         if safe:
             _sync_live_aliases(self.device)
-            safe = donors_owning_their_buffers(donors)
+            safe = not trust_tags or donors_owning_their_buffers(donors)
         if safe:
             return lowered
         self.calls_without_donation += 1
@@ -170,7 +191,7 @@ class XlaExecutable:
                 "tensor (a copy_, a view, or passed twice)",
                 self.graph_name,
             )
-        return self._plain_variant()
+        return self._plain_variant(device_args)
 
     def _param_values(self, lowered: LoweredGraph, device_args: list) -> list:
         values = []
@@ -195,7 +216,7 @@ class XlaExecutable:
                 ) from exc
             # Evicted from torch_xla's LRU cache: compile again (no data moves) and retry.
             was_main = lowered is self.lowered
-            lowered = self._relower(bool(lowered.donors))
+            lowered = self._relower(bool(lowered.donors), device_args)
             self.last_call = lowered
             if was_main:
                 self.lowered = lowered
@@ -238,3 +259,44 @@ class XlaExecutable:
             return slot.value
         value = results[slot.index]
         return value.cpu() if slot.to_host else value
+
+
+def materialized_device_args(args: list, device: torch.device) -> list:
+    """``args`` with host tensors moved to ``device`` and pending IR made concrete."""
+    device_args = list(args)
+    uploaded = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.device.type != "xla":
+            device_args[i] = a.to(device)
+            uploaded.append(device_args[i])
+    if uploaded:  # give them buffers now: a later trace must not turn them into IR constants
+        compat.sync(uploaded, wait=False)
+    _materialize_pending([a for a in device_args if isinstance(a, torch.Tensor)])
+    return device_args
+
+
+class PerShardingExecutable:
+    """SPMD: one ``XlaExecutable`` per sharding of the inputs, lowered at the first
+    call that brings it (HLO parameters must carry their inputs' shardings, which
+    only the real tensors know)."""
+
+    _boxed_call = True
+
+    def __init__(self, graph_name: str, make: Callable[[list], XlaExecutable]):
+        self.graph_name = graph_name
+        self._make = make
+        self.device = torch_xla.device()
+        self.by_signature: dict = {}
+
+    def __call__(self, args: list):
+        from .lower import sharding_signature
+
+        device_args = materialized_device_args(args, self.device)
+        signature = sharding_signature(device_args)
+        executable = self.by_signature.get(signature)
+        if executable is None:
+            # SPMD keeps a new tensor's data on the host until it is used: upload it
+            # now, as the run would, so that lowering itself moves nothing
+            compat.sync([a for a in device_args if isinstance(a, torch.Tensor)], wait=False)
+            executable = self.by_signature[signature] = self._make(device_args)
+        return executable.run(list(args), device_args)

@@ -126,6 +126,34 @@ def _reject_host_reads(node: torch.fx.Node, graph_name: str) -> None:
             )
 
 
+def _is_mark_sharding(target) -> bool:
+    """Our ``donate_xla::mark_sharding`` or torch_xla's ``xla::dynamo_mark_sharding``."""
+    from .sharding import OP
+
+    if target is OP:
+        return True
+    xla_ops = getattr(torch.ops, "xla", None)
+    op = getattr(xla_ops, "dynamo_mark_sharding", None) if xla_ops is not None else None
+    return op is not None and target in (op, getattr(op, "default", None))
+
+
+def _mark_sharding(t, device_ids, mesh_shape, axis_names: str, partition_spec: str):
+    """Annotate a traced tensor's IR with the sharding and return it. (torch_xla's
+    kernel would return an ``XLAShardedTensor`` wrapper that the rest of the
+    trace cannot use, and on a buffer it would move data.)"""
+    from .sharding import annotated
+
+    return annotated(t, device_ids, mesh_shape, axis_names, partition_spec)
+
+
+def _unwrapped(value):
+    """The XLA tensor inside torch_xla's ``XLAShardedTensor`` wrapper (what
+    ``xla::dynamo_mark_sharding`` returns); anything else as it is."""
+    if isinstance(value, torch.Tensor) and type(value).__name__ == "XLAShardedTensor":
+        return value.global_tensor
+    return value
+
+
 class _PlaceholderTracer(torch.fx.Interpreter):
     """Runs the graph on placeholders; host tensors are kept on the device."""
 
@@ -137,7 +165,7 @@ class _PlaceholderTracer(torch.fx.Interpreter):
 
     def run_node(self, node: torch.fx.Node):
         try:
-            return super().run_node(node)
+            return _unwrapped(super().run_node(node))
         except UnsupportedGraphError:
             raise
         except Exception as exc:  # noqa: BLE001 - rethrown with the op's name
@@ -150,6 +178,8 @@ class _PlaceholderTracer(torch.fx.Interpreter):
 
     def call_function(self, target, args, kwargs):
         target = _EQUIVALENT_OPS.get(target, target)
+        if _is_mark_sharding(target):
+            return _mark_sharding(*args, **kwargs)
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
             kwargs = {**kwargs, "device": self.device}
         return super().call_function(target, args, kwargs)
@@ -223,33 +253,87 @@ def input_specs(example_inputs: Sequence, donors: Sequence[int], host_scalars: S
 
 @dataclasses.dataclass
 class LiveTrace:
-    """Placeholder-derived tensors; valid only inside ``traced_on_placeholders``."""
+    """Stand-in-derived tensors; valid only inside ``traced_on_placeholders``."""
 
-    holders: list
+    holders: list  # the stand-in per graph input (non-tensors as given)
     outputs: list
     constants_uploaded: int
+    reals: list  # per input: the real device tensor a stand-in clones (SPMD), else None
     input_of_handle: dict = dataclasses.field(default_factory=dict)  # buffer handle -> input index
+
+    def data_read_by(self, tensors: Sequence[torch.Tensor]) -> tuple:
+        """(tags, values, input index or None) of every device buffer the tensors'
+        IR reads, in HLO parameter order.
+
+        The inputs' own tensors are passed to torch_xla as "uncloned", so it hands
+        them back instead of wrapping their buffers in new tensors, which would
+        re-tag the buffers and upset the ownership checks of later calls.
+        """
+        known = {}
+        for i, t in enumerate(self.holders):
+            if isinstance(t, torch.Tensor):
+                known[id(t)] = i
+        for i, t in enumerate(self.reals):
+            if _is_xla(t):
+                known[id(t)] = i
+        uncloned = [t for t in self.holders if isinstance(t, torch.Tensor)] + [t for t in self.reals if _is_xla(t)]
+        tags, values = compat.device_data_nodes(tensors, uncloned)
+        inputs = [known.get(id(v)) for v in values]
+        unknown = [k for k, i in enumerate(inputs) if i is None]
+        for k, handle in zip(unknown, compat.handles_or_none([values[k] for k in unknown])):
+            inputs[k] = self.input_of_handle.get(handle)
+        return tags, values, inputs
+
+
+def _is_xla(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "xla"
+
+
+def _stand_in(example, real: Optional[torch.Tensor]) -> torch.Tensor:
+    """What the graph is traced on for one tensor input.
+
+    A placeholder (no device data) of the example's shape and dtype; or, given
+    the real device tensor (SPMD, where the HLO parameter must carry its
+    sharding and placeholders cannot), a lazy clone of it: it reads the real
+    buffer, sharding included, and moves no data; in-place ops on it leave
+    the real tensor alone.
+    """
+    if _is_xla(real):
+        return real.clone()
+    return compat.make_placeholder(example.shape, example.dtype)
 
 
 @contextlib.contextmanager
 def traced_on_placeholders(
-    gm: torch.fx.GraphModule, example_inputs: Sequence, donors: Sequence[int], graph_name: str
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence,
+    donors: Sequence[int],
+    graph_name: str,
+    real_inputs: Optional[Sequence] = None,
 ) -> Iterator[LiveTrace]:
-    """Trace ``gm`` on placeholders (donors flagged first) under the trace settings.
+    """Trace ``gm`` on stand-ins (donors flagged first) under the trace settings.
 
     The settings stay in force inside the block, where the caller compiles the
-    traced tensors; on exit every placeholder-derived tensor is dropped.
+    traced tensors; on exit every stand-in-derived tensor is dropped, and the
+    donation flags of real buffers are put back as they were.
     """
     check_graph(gm, graph_name)
+    reals = list(real_inputs) if real_inputs is not None else [None] * len(example_inputs)
+    xla_reals = [t for t in reals if _is_xla(t)]
+    without_buffer = [t for t, h in zip(xla_reals, compat.handles_or_none(xla_reals)) if h is None]
+    if without_buffer:  # a value that is another tensor's buffer: give it the buffer (no data moves)
+        compat.sync(without_buffer, wait=False)
     with compat.outside_fake_tracing(), compat.tracing_settings(donate=bool(donors)):
         holders = [
-            compat.make_placeholder(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t
-            for t in example_inputs
+            _stand_in(t, real) if isinstance(t, torch.Tensor) else t for t, real in zip(example_inputs, reals)
         ]
         tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
-        handles = compat.data_handles([holders[i] for i in tensor_inputs])
+        # a clone has no buffer of its own yet: it reads (and is identified by) the real one
+        handles = compat.data_handles([reals[i] if _is_xla(reals[i]) else holders[i] for i in tensor_inputs])
+        shared = [i for i in donors if _is_xla(reals[i])]  # their flags live on real buffers
+        saved_flags = [compat.get_buffer_donation(holders[i]) for i in shared]
         tracer = _PlaceholderTracer(gm, graph_name, torch_xla.device())
-        live = LiveTrace(holders, [], 0, dict(zip(handles, tensor_inputs)))
+        live = LiveTrace(holders, [], 0, reals, dict(zip(handles, tensor_inputs)))
         try:
             for i in donors:
                 compat.set_buffer_donation(holders[i], True)
@@ -257,6 +341,8 @@ def traced_on_placeholders(
             live.constants_uploaded = tracer.constants_uploaded
             yield live
         finally:
+            for i, flag in zip(shared, saved_flags):
+                compat.set_buffer_donation(reals[i], flag)
             live.outputs.clear()
             holders.clear()
             tracer.env.clear()

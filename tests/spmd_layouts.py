@@ -1,0 +1,174 @@
+"""SPMD training layouts, run eagerly and with donate_xla in one process (tests/test_xla_spmd.py).
+
+Run as ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python tests/spmd_layouts.py LAYOUT``; prints one
+JSON line with both runs' losses, parameters, optimizer state and sharding specs, the alias
+count against the donor count of every executable donate_xla ran, and the bytes transferred
+while compiling.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+
+xr.use_spmd()
+
+import donate_backend  # noqa: E402
+from donate_backend.xla import mark_sharding  # noqa: E402
+from donate_backend.xla.runtime import XlaExecutable  # noqa: E402
+
+STEPS = 5
+D_IN, WIDTH, D_OUT, BATCH = 16, 32, 8, 8
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D_IN, WIDTH)
+        self.fc2 = nn.Linear(WIDTH, WIDTH)
+        self.fc3 = nn.Linear(WIDTH, D_OUT)
+
+    def forward(self, x, shard=None):
+        h = F.relu(self.fc1(x))
+        if shard is not None:
+            h = shard(h)
+        h = F.relu(self.fc2(h))
+        return self.fc3(h)
+
+
+def mesh_for(layout: str) -> xs.Mesh:
+    n = xr.global_runtime_device_count()
+    if layout == "megatron_2d":
+        return xs.Mesh(np.arange(n), (2, n // 2), ("data", "model"))
+    if layout == "fsdpv2":  # the wrapper shards over the axis named "fsdp"
+        return xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+    return xs.Mesh(np.arange(n), (n, 1), ("data", "model"))
+
+
+def build(layout: str, mesh: xs.Mesh, compiled: bool = True):
+    """(model, optimizer, activation sharder or None) for a layout."""
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    shard_activation = None
+    if layout == "fsdp":  # weights, biases and (through them) optimizer state on dim 0
+        for p in model.parameters():
+            xs.mark_sharding(p, mesh, ("data",) + (None,) * (p.dim() - 1))
+    elif layout == "megatron_2d":  # fc1 column-parallel, fc2 row-parallel over "model"
+        xs.mark_sharding(model.fc1.weight, mesh, ("model", None))
+        xs.mark_sharding(model.fc1.bias, mesh, ("model",))
+        xs.mark_sharding(model.fc2.weight, mesh, (None, "model"))
+    elif layout == "activation":  # an intermediate sharded inside the compiled function
+        def shard_activation(h):
+            return mark_sharding(h, mesh, ("data", None))
+    elif layout == "fsdpv2":
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+            SpmdFullyShardedDataParallel as FSDPv2,
+        )
+
+        def shard_output(output, mesh):  # the wrapper's default (xs.mark_sharding) cannot be traced
+            return mark_sharding(output, mesh, ("fsdp", None))
+
+        model = FSDPv2(model, mesh=mesh, shard_output=shard_output if compiled else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, shard_activation
+
+
+def batch(step: int, mesh: xs.Mesh):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(BATCH, D_IN, generator=g).to(torch_xla.device())
+    y = torch.randn(BATCH, D_OUT, generator=g).to(torch_xla.device())
+    xs.mark_sharding(x, mesh, (mesh.axis_names[0], None))
+    return x, y
+
+
+def train(layout: str, backend: str) -> dict:
+    mesh = mesh_for(layout)
+    model, opt, shard_activation = build(layout, mesh, compiled=backend != "eager")
+
+    def step(x, y):
+        out = model(x, shard_activation) if shard_activation else model(x)
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    run = torch.compile(step, backend=backend) if backend != "eager" else step
+    losses = []
+    for i in range(STEPS):
+        loss = run(*batch(i, mesh))
+        torch_xla.sync()
+        losses.append(loss.item())
+    params = [getattr(p, "global_tensor", p) for p in model.parameters()]
+    state = [v for s in opt.state.values() for k, v in sorted(s.items()) if k != "step"]
+    return {
+        "losses": losses,
+        "params": [p.detach().cpu().tolist() for p in params],
+        "state": [t.cpu().tolist() for t in state],
+        "param_specs": torch_xla._XLAC._get_xla_sharding_specs(params),
+        "state_specs": torch_xla._XLAC._get_xla_sharding_specs(state),
+    }
+
+
+def _sharding_annotations(records) -> int:
+    """Sharding custom-calls in the HLO of the forward graphs (kept under debug)."""
+    return sum(
+        (r.lowered.hlo_text or "").count('custom_call_target="Sharding"')
+        for r in records
+        if r.kind == "forward" and r.lowered is not None
+    )
+
+
+def main(layout: str, variant: str = "") -> None:
+    """``variant``: "" (as is), "donation_off" (the switch off), "dropout" (RNG)."""
+    calls = []
+    original = XlaExecutable.run
+
+    def counted(self, args, device_args):
+        out = original(self, args, device_args)
+        calls.append((self.graph_name, len(self.last_call.donors), self.last_call.aliased))
+        return out
+
+    XlaExecutable.run = counted
+    eager = train(layout, "eager")
+    settings = dict(debug=True, donation=variant != "donation_off")
+    with donate_backend.config.patch(**settings):
+        compiled = train(layout, "donate_xla")
+    records = donate_backend.reports()
+    print(json.dumps({
+        "eager": eager,
+        "donate_xla": compiled,
+        "calls": calls,
+        "transfers_while_compiling": sum(r.transfers_bytes for r in records),
+        "donor_shardings": sorted({d.sharding for r in records for d in r.donated}),
+        "forward_sharding_annotations": _sharding_annotations(records),
+    }))
+
+
+def rng_check() -> None:
+    """Dropout on a sharded batch: a fresh mask every call, scaled as eager scales it."""
+    mesh = mesh_for("dp")
+    x = torch.ones(BATCH, 64).to(torch_xla.device())
+    xs.mark_sharding(x, mesh, ("data", None))
+    drop = torch.compile(lambda t: F.dropout(t, 0.5, training=True), backend="donate_xla")
+    masks = [drop(x).cpu() for _ in range(3)]
+    print(json.dumps({
+        "values": sorted({v for m in masks for v in m.unique().tolist()}),
+        "kept_fraction": [float((m != 0).float().mean()) for m in masks],
+        "distinct_masks": len({tuple(m.flatten().tolist()) for m in masks}),
+    }))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "rng":
+        rng_check()
+    else:
+        main(*sys.argv[1:])

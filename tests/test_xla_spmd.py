@@ -1,0 +1,78 @@
+"""Sharded (SPMD) training on 4 CPU devices: donate_xla equals eager SPMD and donates.
+
+Each case runs tests/spmd_layouts.py in a fresh process (SPMD mode is
+process-wide) with ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=4``: the same model
+trains 5 AdamW steps eagerly and compiled, from the same weights and batches.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import HAS_TORCH_XLA
+
+pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+
+HERE = os.path.dirname(__file__)
+TOL = dict(rel=1e-4, abs=1e-5)
+
+
+def run_layout(*args, env=None) -> dict:
+    environment = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", **(env or {}))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "spmd_layouts.py"), *args],
+        capture_output=True, text=True, timeout=600, env=environment,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _flat(value):
+    if isinstance(value, list):
+        return [v for item in value for v in _flat(item)]
+    return [value]
+
+
+def assert_same_training(result):
+    eager, compiled = result["eager"], result["donate_xla"]
+    assert compiled["losses"] == pytest.approx(eager["losses"], **TOL)
+    for key in ("params", "state"):
+        assert len(compiled[key]) == len(eager[key]), key
+        assert _flat(compiled[key]) == pytest.approx(_flat(eager[key]), **TOL), key
+    assert compiled["param_specs"] == eager["param_specs"]
+    assert compiled["state_specs"] == eager["state_specs"]
+    assert result["transfers_while_compiling"] == 0
+
+
+@pytest.mark.parametrize("layout", ["dp", "fsdp", "megatron_2d", "activation", "fsdpv2"])
+def test_layout_trains_like_eager_spmd_and_donates_every_state_buffer(layout):
+    result = run_layout(layout)
+    assert_same_training(result)
+    optimizer_calls = [c for c in result["calls"] if c[0].endswith("inference")]
+    assert len(optimizer_calls) == 5
+    for _, donors, aliased in optimizer_calls:  # 6 parameters + 12 Adam moments, every step
+        assert donors == 18 and aliased == donors
+    if layout in ("fsdp", "megatron_2d", "fsdpv2"):
+        assert any(spec.startswith("{devices=") for spec in result["donor_shardings"])
+    if layout == "activation":
+        assert result["forward_sharding_annotations"] >= 1
+
+
+def test_switch_off_on_a_mesh_donates_nothing():
+    result = run_layout("fsdp", "donation_off")
+    assert_same_training(result)
+    assert all(donors == 0 and aliased == 0 for _, donors, aliased in result["calls"])
+
+
+def test_evicted_sharded_graphs_are_compiled_again():
+    result = run_layout("fsdp", env={"XLA_COMPILATION_CACHE_SIZE": "2"})
+    assert_same_training(result)
+
+
+def test_dropout_on_a_mesh_draws_fresh_masks():
+    result = run_layout("rng")
+    assert result["values"] == [0.0, 2.0]
+    assert result["distinct_masks"] == 3
+    assert all(0.3 < f < 0.7 for f in result["kept_fraction"])
