@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) bench/donation.py
 	$(PY) bench/backward_memory.py
 	$(PY) bench/ddp_memory.py
+	$(PY) bench/spmd.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

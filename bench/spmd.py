@@ -1,0 +1,170 @@
+"""Sharded training on 4 CPU devices (SPMD): donate_xla vs openxla vs eager SPMD.
+
+A GPT (6 layers, width 512, about 23M parameters) with FSDP-style sharding:
+every parameter sharded on dim 0 over a 4-device mesh, the batch on the same
+axis, AdamW. Each backend runs `--repeats` times, interleaved, each in a fresh
+process with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 and MALLOC_MMAP_THRESHOLD_=65536
+(every buffer of 64 KiB or more its own mapping, so RSS follows live bytes:
+the "live" method of bench/donation.py). After two warm-up steps the process
+samples its RSS every 5 ms over `--steps` steps.
+
+Reported (medians over the repeats, with ranges):
+  - live growth: peak - trough of RSS over the steps, what a step needs on top
+    of its persistent state (parameter and optimizer-state shards);
+  - aliased: buffers XLA compiled as input/output aliases (InputOutputAliasCount
+    of the executables compiled), against the state tensors (parameters and
+    Adam moments);
+  - compile: seconds of the first call (it compiles every graph);
+  - step: median seconds per step after the warm-up.
+eager is plain torch_xla SPMD: no torch.compile, torch_xla.sync() after each
+step (one lazy graph per step). Writes docs/spmd_rss.png. Run: `make bench`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+BACKENDS = ("donate_xla", "openxla", "eager")
+ENV = {"CPU_NUM_DEVICES": "4", "MALLOC_MMAP_THRESHOLD_": "65536"}
+DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
+
+
+def worker(backend: str, steps: int) -> dict:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    import donate_backend  # noqa: F401
+    from xla_common import RssSampler, SmallGPT, median
+
+    device = torch_xla.device()
+    n = xr.global_runtime_device_count()
+    mesh = xs.Mesh(np.arange(n), (n, 1), ("data", "model"))
+    torch.manual_seed(0)
+    model = SmallGPT().to(device)
+    for p in model.parameters():
+        if p.shape[0] % n == 0:
+            xs.mark_sharding(p, mesh, ("data",) + (None,) * (p.dim() - 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 8192, (8, 128)).to(device)
+    y = torch.randint(0, 8192, (8, 128)).to(device)
+    xs.mark_sharding(x, mesh, ("data", None))
+    xs.mark_sharding(y, mesh, ("data", None))
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    run = step if backend == "eager" else torch.compile(step, backend=backend)
+
+    def run_step():
+        loss = run(x, y)
+        torch_xla.sync()
+        xm.wait_device_ops()
+        return loss
+
+    start = time.perf_counter()
+    run_step()
+    first_call_s = time.perf_counter() - start
+    run_step()  # the second step compiles what the first created (optimizer state)
+    times = []
+    with RssSampler() as sampler:
+        for _ in range(steps):
+            start = time.perf_counter()
+            run_step()
+            times.append(time.perf_counter() - start)
+    alias = met.metric_data("InputOutputAliasCount")
+    state = list(model.parameters()) + [
+        v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    return dict(
+        backend=backend,
+        transient=sampler.peak - sampler.trough,
+        aliased=int(alias[1]) if alias else 0,
+        state_buffers=len(state),
+        first_call_s=first_call_s,
+        step_s=median(times),
+        loss=float(run(x, y).item()),
+        rss=[(t, r - sampler.trough) for t, r in sampler.samples[::4]],
+    )
+
+
+def plot(runs: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for backend in BACKENDS:
+        r = runs[backend][0]
+        ax.plot([t for t, _ in r["rss"]], [m / 2**20 for _, m in r["rss"]], label=backend)
+    ax.set_title("GPT 6x512, FSDP-style on 4 CPU devices (live bytes)")
+    ax.set_xlabel("seconds into the measured steps")
+    ax.set_ylabel("RSS above the least RSS of the run (MiB)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--worker", metavar="BACKEND", help="internal: one run")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--plot", default=os.path.join(DOCS, "spmd_rss.png"))
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.steps)))
+        return
+
+    from xla_common import run_worker, summarize, write_json
+
+    runs = {b: [] for b in BACKENDS}
+    for _ in range(args.repeats):
+        for backend in BACKENDS:
+            runs[backend].append(run_worker(__file__, "--worker", backend, "--steps", str(args.steps), env=ENV))
+    mib = lambda b: b / 2**20  # noqa: E731
+    ref = {key: summarize(runs["openxla"], key)[0] for key in ("transient", "first_call_s", "step_s")}
+    print(f"\n== GPT 6x512 AdamW, FSDP-style on 4 CPU devices: {args.steps} steps x {args.repeats} repeats")
+    print(f"{'backend':12}{'live growth MiB':>24}{'x openxla':>11}{'aliased/state':>15}"
+          f"{'compile s':>11}{'x openxla':>11}{'step s':>9}{'x openxla':>11}")
+    summary = []
+    for backend in BACKENDS:
+        growth, lo, hi = summarize(runs[backend], "transient")
+        compile_s = summarize(runs[backend], "first_call_s")[0]
+        step = summarize(runs[backend], "step_s")[0]
+        aliased = summarize(runs[backend], "aliased")[0]
+        state = runs[backend][0]["state_buffers"]
+        print(f"{backend:12}{mib(growth):>10.1f} [{mib(lo):>5.0f}-{mib(hi):<5.0f}]"
+              f"{growth / ref['transient']:>11.2f}{aliased:>8.0f}/{state:<6d}"
+              f"{compile_s:>11.2f}{compile_s / ref['first_call_s']:>11.2f}"
+              f"{step:>9.3f}{step / ref['step_s']:>11.2f}")
+        summary.append(dict(backend=backend, growth=growth, growth_min=lo, growth_max=hi,
+                            x_openxla=growth / ref["transient"], aliased=aliased, state_buffers=state,
+                            compile_s=compile_s, step_s=step, x_openxla_step=step / ref["step_s"],
+                            losses=[r["loss"] for r in runs[backend]]))
+    if args.plot:
+        plot(runs, args.plot)
+        print(f"\nplot: {args.plot}")
+    write_json(args.json, summary)
+
+
+if __name__ == "__main__":
+    main()
