@@ -24,6 +24,7 @@ class InputDonation:
     dtype: str
     nbytes: int
     sharding: str = ""  # SPMD: torch_xla's sharding spec of the donor ("" when not sharded)
+    requested: bool = False  # asked for (dynamo_set_buffer_donor_); not overwritten: invalid afterwards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,9 @@ class GraphRecord:
     buffers_reused: Optional[int] = None
     bucket_grads: Optional[int] = None
     bucket_bytes: Optional[int] = None
+    host_input_bytes: int = 0  # XLA path: host (CPU) tensors uploaded with the inputs, per call
+    input_shapes: Optional[tuple] = None  # XLA path, dynamic shapes: the signature compiled
+    fallback_ops: tuple = ()  # XLA path: ops that run on the CPU between the graph's XLA segments
     # XLA path: the lowered graph (``xla.lower.LoweredGraph``); ``lowered.traced`` is
     # the traced stage. Each prints itself with ``as_text()``.
     lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -103,11 +107,18 @@ def format_record(r: GraphRecord) -> str:
     ]
     if r.constants_uploaded:
         lines.append(f"  constants uploaded once: {r.constants_uploaded}")
+    if r.fallback_ops:
+        lines.append(f"  split into XLA segments around ops run on the CPU: {', '.join(r.fallback_ops)}")
+    if r.host_input_bytes:
+        lines.append(f"  host tensors uploaded per call: {r.host_input_bytes} B")
+    if r.input_shapes is not None:
+        lines.append(f"  compiled for input shapes {list(r.input_shapes)}")
     if r.path == "xla":
         state = "on" if r.donation_enabled else "off (DONATE_XLA_DONATION=0)"
         lines.append(f"  donation {state}: {len(r.donated)} inputs, {_mib(r.donated_bytes)}")
         for d in r.donated:
             sharding = f" {d.sharding}" if d.sharding else ""
+            sharding += " (requested; invalid after the call)" if d.requested else ""
             lines.append(
                 f"    donated  #{d.index:<3} {d.role:<15} {d.dtype}{list(d.shape)} {d.nbytes} B{sharding}"
             )

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
 if HAS_TORCH_XLA:
     import donate_backend
     from donate_backend import config
+    from donate_backend.analysis import aliasing
     from donate_backend.xla import metrics as xla_metrics
     from xla_models import CASES, train
 
@@ -92,7 +93,7 @@ def test_host_scalar_step_counters_are_updated_and_not_donated(xla_device):
     steps = [s["step"] for s in opt.state.values()]
     assert all(t.device.type == "cpu" and float(t) == 3.0 for t in steps)
     (opt_record,) = [r for r in donate_backend.reports() if r.kind == "inference"]
-    host = [e for e in opt_record.excluded if "host (CPU) scalar" in e.reason]
+    host = [e for e in opt_record.excluded if e.reason == aliasing.HOST_SCALAR]
     assert len(host) == 2 and {e.role for e in host} == {"optimizer_state"}
 
 

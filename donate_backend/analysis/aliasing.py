@@ -21,7 +21,8 @@ PASSED_TWICE = "the same tensor is passed again as input #{other}"
 SAVED_FOR_BACKWARD = "its old value is saved for backward"
 RETURNED = "it is returned or aliased by an output"
 NO_MATCHING_OUTPUT = "no output has its shape and dtype, so no output can take its buffer"
-HOST_SCALAR = "it is a host (CPU) scalar, uploaded afresh on every call"
+HOST_SCALAR = "it is a host (CPU) tensor, uploaded afresh on every call"
+NOT_WRITTEN = "donation was requested, but the graph does not write it and its old value is returned or saved"
 DEVICE_SCALAR = (
     "it is a 0-dim device tensor: torch_xla gives equal scalars one shared buffer "
     "(its device-data cache), so another tensor may still read it"
@@ -62,6 +63,12 @@ def shared_storage_partner(example_inputs: Sequence) -> dict[int, str]:
 
 
 
+def output_values(graph: torch.fx.Graph) -> list:
+    """The graph's outputs as a list (a graph may return one value or a tuple)."""
+    value = graph.output_node().args[0]
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
 def _is_view_op(node: torch.fx.Node) -> bool:
     """Returns a view of its input (``Tensor(a)``); in-place ops (``Tensor(a!)``) return
     the written, i.e. new, value and are not views of the old one."""
@@ -90,10 +97,19 @@ def inputs_reaching_outputs(graph: torch.fx.Graph) -> dict[int, list[int]]:
             elif isinstance(base, torch.fx.Node) and base in root_of:
                 root_of[node] = root_of[base]
     result: dict[int, list[int]] = collections.defaultdict(list)
-    output = next(n for n in graph.nodes if n.op == "output")
-    for pos, value in enumerate(torch.fx.node.map_arg(output.args[0], lambda n: n) or ()):
+    for pos, value in enumerate(output_values(graph)):
         if isinstance(value, torch.fx.Node) and value in root_of:
             result[root_of[value]].append(pos)
+    return dict(result)
+
+
+def inputs_returned_as_is(graph: torch.fx.Graph) -> dict[int, list[int]]:
+    """Map input index -> output positions that are the input's placeholder itself."""
+    index_of = {node: i for i, node in enumerate(placeholders(graph))}
+    result: dict[int, list[int]] = collections.defaultdict(list)
+    for pos, value in enumerate(output_values(graph)):
+        if value in index_of:
+            result[index_of[value]].append(pos)
     return dict(result)
 
 

@@ -36,6 +36,49 @@ def mutated_input_indices(graph: torch.fx.Graph) -> list[int]:
     return sorted(mutated)
 
 
+def _is_donation_request(target) -> bool:
+    """torch_xla's ``torch.ops.xla.dynamo_set_buffer_donor_`` (packet or overload)."""
+    return "xla.dynamo_set_buffer_donor_" in str(target)
+
+
+def donation_requests(gm: torch.fx.GraphModule) -> list[int]:
+    """aot_autograd input indices the user asked to donate, in dynamo's graph:
+    ``torch.ops.xla.dynamo_set_buffer_donor_(input, True)``.
+
+    aot_autograd's flat inputs are the module's parameters and buffers (when
+    dynamo kept them as attributes), then the placeholders.
+    """
+    offset = len(list(gm.named_parameters(remove_duplicate=False))) + len(
+        list(gm.named_buffers(remove_duplicate=False))
+    )
+    index_of = {node: offset + i for i, node in enumerate(placeholders(gm.graph))}
+    requested = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not _is_donation_request(node.target) or not node.args:
+            continue
+        donate = node.args[1] if len(node.args) > 1 else next(iter(node.kwargs.values()), True)
+        if node.args[0] in index_of and donate is True:
+            requested.add(index_of[node.args[0]])
+    return sorted(requested)
+
+
+def strip_donation_requests(gm: torch.fx.GraphModule) -> int:
+    """Replace each ``dynamo_set_buffer_donor_(x, flag)`` by ``x`` (in place).
+
+    The request was read from dynamo's graph (``donation_requests``); left in
+    the aot graph, the op's result would hide that outputs alias ``x``.
+    """
+    stripped = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and _is_donation_request(node.target) and node.args:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            stripped += 1
+    if stripped:
+        gm.recompile()
+    return stripped
+
+
 def _is_inplace_on_input(node: torch.fx.Node, index_of: dict) -> bool:
     """Any other ATen op that writes its first argument (``foo_`` or ``out=``)."""
     target = node.target

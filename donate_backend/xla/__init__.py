@@ -1,9 +1,12 @@
 """XLA path: abstract lowering with automatic buffer donation (needs torch_xla)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Optional
 
 from ..analysis.aliasing import overlapping_inputs_written
+from ..analysis.mutation import donation_requests
 from ..errors import UnsupportedGraphError
 from .compiler import compile_graph
 from .sharding import mark_sharding
@@ -47,9 +50,17 @@ def check_dynamo_graph(gm, example_inputs, graph_id: int) -> None:
         )
 
 
-def capture(gm, example_inputs) -> None:
-    """Dynamo-level facts for the compilers: none on the XLA path."""
-    return None
+@dataclasses.dataclass(frozen=True)
+class XlaCapture:
+    """What the XLA compilers learn from dynamo's graph."""
+
+    requested_donors: tuple = ()  # inputs the user asked to donate (dynamo_set_buffer_donor_)
+
+
+def capture(gm, example_inputs) -> Optional[XlaCapture]:
+    """Dynamo-level facts for the compilers: explicit donation requests."""
+    requested = donation_requests(gm)
+    return XlaCapture(tuple(requested)) if requested else None
 
 
 __all__ = ["capture", "compile_graph", "aot_options", "check_dynamo_graph", "mark_sharding"]

@@ -7,27 +7,29 @@ other setting.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from typing import Optional, Sequence
 
 import torch
+import torch_xla
 
 from .. import config, report
 from ..analysis import aliasing, mutation
 from ..builds import BuildsPerSetting
-from . import compat, metrics
+from . import compat, fallback, metrics
 from . import spmd
 from .lower import LoweredGraph, input_shardings, lower, sharding_signature
-from .runtime import PerShardingExecutable, XlaExecutable
-from .trace import check_inputs, output_nodes
+from .runtime import PerSignatureExecutable, XlaExecutable
+from .trace import check_inputs, host_input_bytes, output_nodes
 
 _warned_unusable: set[str] = set()
 
 
-def _num_user_outputs(kind: str) -> Optional[int]:
+def _num_user_outputs(ctx) -> Optional[int]:
     """For forward graphs: outputs at or past this index are saved for backward."""
-    if kind != "forward":
+    if ctx.kind != "forward" or getattr(ctx, "segment", None) is not None:
         return None
     ctx = torch._guards.TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None)
@@ -42,15 +44,29 @@ def _role(roles: Sequence[str], num_inputs: int, index: int, kind: str) -> str:
     return "other"
 
 
-def choose_donors(gm, example_inputs, ctx, roles) -> tuple[list[int], list]:
-    """Split the overwritten inputs into donors and exclusions (with reasons)."""
+@dataclasses.dataclass(frozen=True)
+class DonorChoice:
+    donors: list  # overwritten inputs to donate (each gets its new value written back)
+    requested: list  # inputs the user asked to donate that the graph does not overwrite
+    exclusions: list  # report.InputExclusion for every candidate not donated
+
+
+def _requested_donors(ctx) -> tuple:
+    captured = getattr(ctx, "captured", None)
+    return tuple(getattr(captured, "requested_donors", ()) or ()) if ctx.kind != "backward" else ()
+
+
+def choose_donors(gm, example_inputs, ctx, roles) -> DonorChoice:
+    """Split the overwritten (and the requested) inputs into donors and exclusions."""
     candidates = mutation.mutated_input_indices(gm.graph)
+    requested = [i for i in _requested_donors(ctx) if i < len(example_inputs) and i not in candidates]
     host_scalars = set(check_inputs(example_inputs, ctx.name))
     shared = aliasing.shared_storage_partner(example_inputs)
     reaching = aliasing.inputs_reaching_outputs(gm.graph)
-    num_user_outputs = _num_user_outputs(ctx.kind)
+    returned = aliasing.inputs_returned_as_is(gm.graph)
+    num_user_outputs = _num_user_outputs(ctx)
     reasons: dict[int, str] = {}
-    for i in candidates:
+    for i in candidates + requested:
         if i in host_scalars:
             reasons[i] = aliasing.HOST_SCALAR
         elif example_inputs[i].dim() == 0:
@@ -59,18 +75,21 @@ def choose_donors(gm, example_inputs, ctx, roles) -> tuple[list[int], list]:
             reasons[i] = shared[i]
         elif i in reaching:
             reasons[i] = aliasing.classify_output_use(reaching[i], num_user_outputs)
+        elif i in requested and i in returned:  # its old buffer is an output
+            reasons[i] = aliasing.classify_output_use(returned[i], num_user_outputs)
     donors = [i for i in candidates if i not in reasons]
     metas = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in output_nodes(gm)]
-    metas += [example_inputs[i] for i in candidates]  # the written-back new values
-    for i in aliasing.outputs_without_slot(donors, example_inputs, metas):
-        reasons[i] = aliasing.NO_MATCHING_OUTPUT
+    if not is_symbolic(metas):  # with dynamic shapes the output shapes are symbolic: no check
+        metas += [example_inputs[i] for i in candidates]  # the written-back new values
+        for i in aliasing.outputs_without_slot(donors, example_inputs, metas):
+            reasons[i] = aliasing.NO_MATCHING_OUTPUT
     donors = [i for i in donors if i not in reasons]
     exclusions = [
         report.InputExclusion(i, _role(roles, len(example_inputs), i, ctx.kind), reason)
         for i, reason in sorted(reasons.items())
     ]
     _warn_unusable(ctx.name, exclusions)
-    return donors, exclusions
+    return DonorChoice(donors, [i for i in requested if i not in reasons], exclusions)
 
 
 def _warn_unusable(graph_name: str, exclusions) -> None:
@@ -84,7 +103,7 @@ def _warn_unusable(graph_name: str, exclusions) -> None:
         )
 
 
-def _donation_record(example_inputs, donors, roles, kind, shardings: tuple = ()) -> list:
+def _donation_record(example_inputs, donors, roles, kind, shardings: tuple = (), requested=frozenset()) -> list:
     """One ``InputDonation`` per donor; ``shardings``: the spec per input (SPMD)."""
     records = []
     for i in donors:
@@ -97,6 +116,7 @@ def _donation_record(example_inputs, donors, roles, kind, shardings: tuple = ())
                 dtype=str(t.dtype).replace("torch.", ""),
                 nbytes=t.numel() * t.element_size(),
                 sharding=(shardings[i] or "") if shardings else "",
+                requested=i in requested,
             )
         )
     return records
@@ -118,18 +138,51 @@ class SwitchAwareExecutable:
         return self._builds.current()(args)
 
 
+def is_symbolic(example_inputs: Sequence) -> bool:
+    """Whether dynamo traced the graph with dynamic shapes (SymInt inputs or sizes)."""
+    for value in example_inputs:
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return True
+        if isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape):
+            return True
+    return False
+
+
+def concrete_examples(example_inputs: Sequence, args: Sequence) -> list:
+    """The graph's inputs as this call has them: real tensors (for shapes and
+    dtypes) and plain ints for the symbolic sizes."""
+    return [int(a) if isinstance(e, torch.SymInt) else a for e, a in zip(example_inputs, args)]
+
+
 def compile_graph(gm, example_inputs, ctx):
     """Analyse ``gm`` and compile it for the switches in force (see module docstring).
 
-    Under SPMD the lowering waits for the first call: the HLO parameters must
-    carry the shardings of the real inputs (``PerShardingExecutable``).
+    With dynamic shapes, or under SPMD, the lowering waits for the first call
+    with each new signature (``PerSignatureExecutable``): a static executable
+    per concrete shape combination; HLO parameters that carry the real
+    inputs' shardings.
     """
     example_inputs = list(example_inputs)
+    mutation.strip_donation_requests(gm)  # read at dynamo level (xla.capture)
+    segments = fallback.split_at_fallbacks(gm)
+    if segments is not None:  # ops torch_xla cannot lower run on the CPU between XLA segments
+        report.add(
+            report.GraphRecord(
+                graph_id=ctx.graph_id, kind=ctx.kind, device="cpu", path="xla",
+                num_inputs=len(example_inputs), fallback_ops=segments.fallback_ops,
+            )
+        )
+        return fallback.compile_segments(segments, ctx, compile_graph, torch_xla.device())
     roles = tuple(getattr(ctx, "input_roles", ()) or ())
-    donors, exclusions = choose_donors(gm, example_inputs, ctx, roles)
+    symbolic = is_symbolic(example_inputs)
+    check_inputs(example_inputs, ctx.name)
 
-    def executable_for(settings: config.Settings, real_inputs=None) -> XlaExecutable:
-        active = donors if settings.donation else []
+    def executable_for(settings: config.Settings, args=None, device_args=None) -> XlaExecutable:
+        examples = concrete_examples(example_inputs, args) if symbolic else example_inputs
+        real_inputs = device_args if compat.is_spmd() else None
+        choice = choose_donors(gm, examples, ctx, roles)
+        active = choice.donors if settings.donation else []
+        requested = choice.requested if settings.donation else []
 
         pinned = None
         if real_inputs is not None and ctx.kind == "forward":
@@ -137,10 +190,11 @@ def compile_graph(gm, example_inputs, ctx):
         elif real_inputs is not None and ctx.kind == "backward":
             pinned = spmd.gradient_shardings(ctx.graph_id, len(output_nodes(gm)))
 
-        def relower(donate: bool, device_args=None) -> LoweredGraph:
+        def relower(donate: bool, call_args=None) -> LoweredGraph:
             return lower(
-                gm, example_inputs, active if donate else [], ctx.name,
-                real_inputs=device_args if real_inputs is not None else None,
+                gm, examples, active if donate else [], ctx.name,
+                requested_donors=requested if donate else [],
+                real_inputs=call_args if real_inputs is not None else None,
                 output_shardings=pinned,
             )
 
@@ -154,27 +208,35 @@ def compile_graph(gm, example_inputs, ctx):
                 kind=ctx.kind,
                 device="xla",
                 path="xla",
-                num_inputs=len(example_inputs),
+                num_inputs=len(examples),
                 compile_seconds=seconds,
                 transfers_count=transfers.transfer_count,
                 transfers_bytes=int(transfers.outbound_bytes),
                 constants_uploaded=lowered.constants_uploaded,
                 donated=_donation_record(
-                    example_inputs, lowered.donors, roles, ctx.kind,
+                    examples, lowered.donors, roles, ctx.kind,
                     sharding_signature(real_inputs) if real_inputs is not None else (),
+                    requested=set(requested),
                 ),
-                excluded=list(exclusions),
+                excluded=list(choice.exclusions),
                 donation_enabled=settings.donation,
+                host_input_bytes=host_input_bytes(examples),
+                input_shapes=tuple(tuple(t.shape) for t in examples if isinstance(t, torch.Tensor)) if symbolic else None,
                 lowered=lowered,
             )
         )
         return XlaExecutable(ctx.name, lowered, relower, tags_untrusted=real_inputs is not None)
 
     def build(settings: config.Settings):
-        if compat.is_spmd():
-            return PerShardingExecutable(ctx.name, lambda device_args: executable_for(settings, device_args))
+        if symbolic or compat.is_spmd():
+            return PerSignatureExecutable(
+                ctx.name,
+                lambda args, device_args: executable_for(settings, args, device_args),
+                by_shape=symbolic,
+                by_sharding=compat.is_spmd(),
+            )
         return executable_for(settings)
 
     executable = SwitchAwareExecutable(BuildsPerSetting(build))
-    executable.executable()  # compile now (SPMD: at the first call), under the settings in force
+    executable.executable()  # compile now (dynamic shapes, SPMD: at the first call), under the switches in force
     return executable

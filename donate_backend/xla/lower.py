@@ -75,13 +75,15 @@ def lower(
     keep_hlo_text: bool = False,
     real_inputs: Optional[Sequence] = None,
     output_shardings: Optional[dict] = None,
+    requested_donors: Sequence[int] = (),
 ) -> LoweredGraph:
     """Trace ``gm`` on placeholders, plan its results and parameters, compile it.
 
     ``real_inputs`` (SPMD): the call's device tensors. The graph is then traced
     on lazy clones of them, so each HLO parameter carries its input's sharding
     (no data moves), and every write-back keeps its input's sharding.
-    ``output_shardings`` pins the sharding of graph outputs by position,
+    ``requested_donors`` are donated without a write-back (the user asked for
+    it: their buffers are invalid after the call). ``output_shardings`` pins the sharding of graph outputs by position,
     ``{position: (shape, OpSharding)}``, where the shape matches (a backward's
     gradients: see ``spmd.py``).
 
@@ -89,7 +91,9 @@ def lower(
     exception chained; its traceback's frames are cleared first, so it keeps
     no placeholder alive.
     """
-    donors = tuple(donors) if compat.supports_donation() else ()
+    supported = compat.supports_donation()
+    written_donors = tuple(donors) if supported else ()
+    donors = written_donors + (tuple(requested_donors) if supported else ())
     host_scalars = check_inputs(example_inputs, graph_name)
     if real_inputs is not None:  # host scalars are uploaded per call: traced on placeholders
         real_inputs = [None if i in host_scalars else t for i, t in enumerate(real_inputs)]
@@ -99,7 +103,8 @@ def lower(
     )
     try:
         lowered = _lower_live(
-            gm, example_inputs, donors, graph_name, traced, keep_hlo_text, real_inputs, output_shardings or {}
+            gm, example_inputs, donors, graph_name, traced, keep_hlo_text, real_inputs, output_shardings or {},
+            written_donors,
         )
     except Exception as exc:  # noqa: BLE001 - re-raised with the graph's name
         raise _lowering_error(exc, traced) from _without_frames(exc)
@@ -108,7 +113,7 @@ def lower(
 
 
 def _lower_live(
-    gm, example_inputs, donors, graph_name, traced, keep_hlo_text, real_inputs, output_shardings
+    gm, example_inputs, donors, graph_name, traced, keep_hlo_text, real_inputs, output_shardings, written_donors
 ) -> LoweredGraph:
     to_host = [(meta_device(n) or torch.device("xla")).type == "cpu" for n in output_nodes(gm)]
     shardings = input_shardings(real_inputs) if real_inputs is not None else {}
@@ -119,7 +124,7 @@ def _lower_live(
             shardings[i] = shardings[source]
     with traced_on_placeholders(gm, example_inputs, donors, graph_name, real_inputs) as live:
         traced = dataclasses.replace(traced, constants_uploaded=live.constants_uploaded)
-        plan = plan_results(live, live.outputs, to_host, graph_name, donors)
+        plan = plan_results(live, live.outputs, to_host, graph_name, written_donors)
         try:
             if not plan.tensors:
                 return LoweredGraph(

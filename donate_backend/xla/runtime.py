@@ -275,28 +275,54 @@ def materialized_device_args(args: list, device: torch.device) -> list:
     return device_args
 
 
-class PerShardingExecutable:
-    """SPMD: one ``XlaExecutable`` per sharding of the inputs, lowered at the first
-    call that brings it (HLO parameters must carry their inputs' shardings, which
-    only the real tensors know)."""
+def shape_signature(args: Sequence) -> tuple:
+    """The concrete shapes and dtypes of the tensor arguments, and the values of the
+    integer ones (dynamic sizes)."""
+    return tuple(
+        (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a if isinstance(a, int) else None
+        for a in args
+    )
+
+
+class PerSignatureExecutable:
+    """One ``XlaExecutable`` per signature of the arguments, lowered at the first
+    call that brings it:
+
+    - dynamic shapes: the graph is symbolic; each concrete combination of input
+      shapes (and dynamic sizes) gets a static executable;
+    - SPMD: HLO parameters must carry their inputs' shardings, which only the
+      real tensors know.
+    """
 
     _boxed_call = True
 
-    def __init__(self, graph_name: str, make: Callable[[list], XlaExecutable]):
+    def __init__(
+        self,
+        graph_name: str,
+        make: Callable[[list, list], XlaExecutable],
+        by_shape: bool,
+        by_sharding: bool,
+    ):
         self.graph_name = graph_name
-        self._make = make
+        self._make = make  # (args, device args) -> XlaExecutable
+        self._by_shape = by_shape
+        self._by_sharding = by_sharding
         self.device = torch_xla.device()
         self.by_signature: dict = {}
 
     def __call__(self, args: list):
         from .lower import sharding_signature
 
+        args = list(args)
         device_args = materialized_device_args(args, self.device)
-        signature = sharding_signature(device_args)
+        signature = (
+            shape_signature(args) if self._by_shape else (),
+            sharding_signature(device_args) if self._by_sharding else (),
+        )
         executable = self.by_signature.get(signature)
         if executable is None:
             # SPMD keeps a new tensor's data on the host until it is used: upload it
             # now, as the run would, so that lowering itself moves nothing
             compat.sync([a for a in device_args if isinstance(a, torch.Tensor)], wait=False)
-            executable = self.by_signature[signature] = self._make(device_args)
-        return executable.run(list(args), device_args)
+            executable = self.by_signature[signature] = self._make(args, device_args)
+        return executable.run(args, device_args)

@@ -40,6 +40,11 @@ _HOST_READ_OPS = {
 }
 
 
+def unlowerable_equivalent(target):
+    """``target``, or the lowerable op that means the same (``lift_fresh_copy`` -> ``clone``)."""
+    return _EQUIVALENT_OPS.get(target, target)
+
+
 def has_xla_lowering(op: torch._ops.OpOverload) -> bool:
     """False for ops (of any namespace) that torch_xla would run through its CPU fallback.
 
@@ -53,33 +58,36 @@ def has_xla_lowering(op: torch._ops.OpOverload) -> bool:
 
 
 def check_inputs(example_inputs: Sequence, graph_name: str) -> list[int]:
-    """Validate inputs; return indices of host (CPU) scalar tensors."""
-    host_scalars = []
+    """Validate inputs; return the indices of host (CPU) tensors.
+
+    Host tensors (Adam's step counters, an index tensor made on the CPU) are
+    uploaded with the inputs on every call and never donated. Symbolic sizes
+    are allowed: the graph is then lowered per concrete signature.
+    """
+    host = []
     for i, value in enumerate(example_inputs):
-        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise UnsupportedGraphError(
-                f"{graph_name}: input #{i} is a symbolic size ({value}); dynamic shapes are "
-                "not supported by donate_xla. Compile with torch.compile(..., dynamic=False) "
-                "or keep input shapes fixed (pad the last batch)."
-            )
         if not isinstance(value, torch.Tensor):
             continue
-        if any(isinstance(s, torch.SymInt) for s in value.shape):
-            raise UnsupportedGraphError(
-                f"{graph_name}: input #{i} has a dynamic shape {tuple(value.shape)}; dynamic "
-                "shapes are not supported by donate_xla. Use torch.compile(..., dynamic=False)."
-            )
         if value.device.type == "xla":
             continue
-        if value.device.type == "cpu" and value.numel() == 1 and value.dim() == 0:
-            host_scalars.append(i)
+        if value.device.type == "cpu":
+            host.append(i)
             continue
         raise UnsupportedGraphError(
             f"{graph_name}: input #{i} is a {value.device.type} tensor of shape "
             f"{tuple(value.shape)} in a graph on the XLA device. Move it to the XLA device "
             "(tensor.to(torch_xla.device())) before calling the compiled function."
         )
-    return host_scalars
+    return host
+
+
+def host_input_bytes(example_inputs: Sequence) -> int:
+    """Bytes of the host (CPU) tensors a call uploads with its inputs."""
+    return sum(
+        t.numel() * t.element_size()
+        for t in example_inputs
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not isinstance(t.numel(), torch.SymInt)
+    )
 
 
 def meta_device(node) -> Optional[torch.device]:

@@ -1,0 +1,146 @@
+"""CPU fallback: a graph with ops torch_xla cannot lower runs in segments.
+
+torch_xla has no XLA kernel for some ATen ops (``aten::_foobar``,
+``special_zeta``, ...). Tracing one on a placeholder would run torch_xla's CPU
+fallback on a tensor with no data, which crashes. Instead the aot graph is
+split at those ops (``torch.fx.passes.split_module``): every stretch of
+lowerable ops is a segment compiled by the XLA path as usual (abstractly,
+donating what it overwrites), and each unlowerable op runs eagerly on the CPU
+between them, its XLA inputs copied to the host and its results back. The
+graph's record lists the ops that fell back.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from .trace import has_xla_lowering, unlowerable_equivalent
+
+
+def fallback_nodes(gm: torch.fx.GraphModule) -> list:
+    """The nodes of ``gm`` that have to run on the CPU."""
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and isinstance(unlowerable_equivalent(n.target), torch._ops.OpOverload)
+        and not has_xla_lowering(unlowerable_equivalent(n.target))
+    ]
+
+
+def partition_ids(gm: torch.fx.GraphModule, fallbacks: list) -> dict:
+    """Node -> segment number: each fallback op alone, the stretches between them together."""
+    fallback_set = set(fallbacks)
+    ids, current = {}, 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node in fallback_set:
+            current += 1
+            ids[node] = current
+            current += 1
+        else:
+            ids[node] = current
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """The split graph: ``top`` calls ``submod_<k>`` in order."""
+
+    top: torch.fx.GraphModule
+    fallback_names: frozenset  # names of the submodules that run on the CPU
+    fallback_ops: tuple  # the op names, for the report
+
+
+def split_at_fallbacks(gm: torch.fx.GraphModule) -> Optional[Segments]:
+    """Split ``gm`` around its unlowerable ops; None when it has none."""
+    fallbacks = fallback_nodes(gm)
+    if not fallbacks:
+        return None
+    ids = partition_ids(gm, fallbacks)
+    top = split_module(gm, None, lambda node: ids[node], keep_original_order=True)
+    fallback_ids = {ids[n] for n in fallbacks}
+    names = frozenset(f"submod_{k}" for k in fallback_ids)
+    return Segments(top, names, tuple(str(n.target) for n in fallbacks))
+
+
+def segment_example_inputs(submodule: torch.fx.GraphModule) -> list:
+    """The fake values of a segment's inputs (copied from the nodes they stand for)."""
+    return [n.meta.get("val") for n in submodule.graph.nodes if n.op == "placeholder"]
+
+
+def on_cpu(submodule: torch.fx.GraphModule, device: torch.device) -> Callable:
+    """Run ``submodule`` eagerly on the CPU: XLA inputs to the host, results back."""
+
+    def to_host(value):
+        return value.cpu() if isinstance(value, torch.Tensor) and value.device.type == "xla" else value
+
+    def to_device(value):
+        return value.to(device) if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
+
+    def run(*args):
+        out = submodule(*[to_host(a) for a in args])
+        return torch.utils._pytree.tree_map(to_device, out)
+
+    return run
+
+
+class _Segment(torch.nn.Module):
+    """A compiled segment in the split graph's ``call_module`` slot."""
+
+    def __init__(self, run: Callable, boxed: bool, single_output: bool):
+        super().__init__()
+        self._run = run
+        self._boxed = boxed
+        self._single = single_output
+
+    def forward(self, *args):
+        out = self._run(list(args)) if self._boxed else self._run(*args)
+        if not self._boxed:
+            return out
+        return out[0] if self._single else tuple(out)
+
+
+def _returns_one_value(submodule: torch.fx.GraphModule) -> bool:
+    return not isinstance(submodule.graph.output_node().args[0], (tuple, list))
+
+
+def compile_segments(segments: Segments, ctx, compile_segment: Callable, device: torch.device) -> Callable:
+    """Install compiled segments and CPU runners in ``segments.top``; return a boxed callable.
+
+    ``compile_segment(submodule, example_inputs, segment_ctx)`` compiles one
+    lowerable segment (the XLA path's ``compile_graph``).
+    """
+    top = segments.top
+    for k, (name, submodule) in enumerate(list(top.named_children())):
+        if name in segments.fallback_names:
+            setattr(top, name, _Segment(on_cpu(submodule, device), boxed=False, single_output=False))
+            continue
+        segment_ctx = _SegmentContext(ctx, k)
+        compiled = compile_segment(submodule, segment_example_inputs(submodule), segment_ctx)
+        setattr(top, name, _Segment(compiled, boxed=True, single_output=_returns_one_value(submodule)))
+
+    def run(args):
+        out = top(*args)
+        args.clear()
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    run._boxed_call = True
+    return run
+
+
+class _SegmentContext:
+    """The graph's context, renamed for one of its segments."""
+
+    def __init__(self, ctx, index: int):
+        self.graph_id = ctx.graph_id
+        self.kind = ctx.kind
+        self.input_roles = ()  # roles name the whole graph's inputs, not a segment's
+        self.captured = None
+        self.segment = index
+        self.name = f"{ctx.name} (segment {index})"
