@@ -64,18 +64,23 @@ def current() -> Settings:
     return _current
 
 
+_current_key = dataclasses.astuple(_current)
+
+
 def cache_key() -> tuple:
-    """The part of every compile cache key that comes from the switches."""
-    return dataclasses.astuple(_current)
+    """The part of every compile cache key that comes from the switches (read on
+    every compiled call, so computed only when the switches change)."""
+    return _current_key
 
 
 @contextlib.contextmanager
 def patch(**changes) -> Iterator[Settings]:
     """Temporarily change switches: ``with config.patch(donation=False): ...``."""
-    global _current
-    saved = _current
+    global _current, _current_key
+    saved, saved_key = _current, _current_key
     _current = dataclasses.replace(saved, **changes)
+    _current_key = dataclasses.astuple(_current)
     try:
         yield _current
     finally:
-        _current = saved
+        _current, _current_key = saved, saved_key

@@ -98,6 +98,14 @@ def data_handles(tensors: Sequence[torch.Tensor]) -> list[int]:
     return list(_required("_get_tensors_handle")(list(tensors)))
 
 
+def value_identities(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """torch_xla's identity of each tensor's current value: its IR node when it has
+    one (two tensors reading one buffer through one device-data node are equal),
+    else its buffer. Reads nothing from the device and waits for nothing."""
+    identity = _required("_unique_id_for_ir_and_data")
+    return [identity(t) for t in tensors]
+
+
 def handles_or_none(tensors: Sequence[torch.Tensor]) -> list:
     """Like ``data_handles``, with None for a tensor that holds no buffer handle itself
     (its value is pending IR or another tensor's device data)."""

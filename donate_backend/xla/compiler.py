@@ -18,7 +18,7 @@ import torch_xla
 from .. import config, report
 from ..analysis import aliasing, mutation
 from ..builds import BuildsPerSetting
-from . import compat, fallback, metrics
+from . import compat, fallback, host, metrics
 from . import spmd
 from .lower import LoweredGraph, input_shardings, lower, sharding_signature
 from .runtime import PerSignatureExecutable, XlaExecutable
@@ -190,12 +190,15 @@ def compile_graph(gm, example_inputs, ctx):
         elif real_inputs is not None and ctx.kind == "backward":
             pinned = spmd.gradient_shardings(ctx.graph_id, len(output_nodes(gm)))
 
+        on_host = host.host_part(gm, check_inputs(examples, ctx.name))
+
         def relower(donate: bool, call_args=None) -> LoweredGraph:
             return lower(
                 gm, examples, active if donate else [], ctx.name,
                 requested_donors=requested if donate else [],
                 real_inputs=call_args if real_inputs is not None else None,
                 output_shardings=pinned,
+                host_values=on_host,
             )
 
         start, before = time.perf_counter(), metrics.transfer_snapshot()
@@ -225,7 +228,9 @@ def compile_graph(gm, example_inputs, ctx):
                 lowered=lowered,
             )
         )
-        return XlaExecutable(ctx.name, lowered, relower, tags_untrusted=real_inputs is not None)
+        return XlaExecutable(
+            ctx.name, lowered, relower, tags_untrusted=real_inputs is not None, host_values=on_host
+        )
 
     def build(settings: config.Settings):
         if symbolic or compat.is_spmd():

@@ -76,6 +76,7 @@ def lower(
     real_inputs: Optional[Sequence] = None,
     output_shardings: Optional[dict] = None,
     requested_donors: Sequence[int] = (),
+    host_values=None,
 ) -> LoweredGraph:
     """Trace ``gm`` on placeholders, plan its results and parameters, compile it.
 
@@ -85,7 +86,8 @@ def lower(
     ``requested_donors`` are donated without a write-back (the user asked for
     it: their buffers are invalid after the call). ``output_shardings`` pins the sharding of graph outputs by position,
     ``{position: (shape, OpSharding)}``, where the shape matches (a backward's
-    gradients: see ``spmd.py``).
+    gradients: see ``spmd.py``). ``host_values`` (``host.HostPart``): write-backs and
+    outputs computed on the host instead.
 
     A failure is raised as ``UnsupportedGraphError`` with the original
     exception chained; its traceback's frames are cleared first, so it keeps
@@ -104,7 +106,7 @@ def lower(
     try:
         lowered = _lower_live(
             gm, example_inputs, donors, graph_name, traced, keep_hlo_text, real_inputs, output_shardings or {},
-            written_donors,
+            written_donors, host_values,
         )
     except Exception as exc:  # noqa: BLE001 - re-raised with the graph's name
         raise _lowering_error(exc, traced) from _without_frames(exc)
@@ -113,7 +115,8 @@ def lower(
 
 
 def _lower_live(
-    gm, example_inputs, donors, graph_name, traced, keep_hlo_text, real_inputs, output_shardings, written_donors
+    gm, example_inputs, donors, graph_name, traced, keep_hlo_text, real_inputs, output_shardings, written_donors,
+    host_values,
 ) -> LoweredGraph:
     to_host = [(meta_device(n) or torch.device("xla")).type == "cpu" for n in output_nodes(gm)]
     shardings = input_shardings(real_inputs) if real_inputs is not None else {}
@@ -124,7 +127,7 @@ def _lower_live(
             shardings[i] = shardings[source]
     with traced_on_placeholders(gm, example_inputs, donors, graph_name, real_inputs) as live:
         traced = dataclasses.replace(traced, constants_uploaded=live.constants_uploaded)
-        plan = plan_results(live, live.outputs, to_host, graph_name, written_donors)
+        plan = plan_results(live, live.outputs, to_host, graph_name, written_donors, host_values)
         try:
             if not plan.tensors:
                 return LoweredGraph(

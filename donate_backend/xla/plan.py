@@ -54,7 +54,7 @@ class HloParam:
 class OutputSlot:
     """One graph output: a computed result, a graph input, or a plain value."""
 
-    kind: str  # "result", "input" or "value"
+    kind: str  # "result", "input", "value" or "host" (computed on the host: host.py)
     index: int = -1
     value: Any = None
     to_host: bool = False  # a host scalar the graph computes on the device
@@ -111,12 +111,14 @@ def plan_results(
     to_host: Sequence[bool],
     graph_name: str,
     donors: Sequence[int] = (),
+    host_values=None,
 ) -> ResultPlan:
     """Decide the HLO results: write-backs of written inputs first, then the outputs.
 
     Every donor is written back, even one whose traced value ended up unchanged
     (``v1.copy_(v0); v0.add_(1); v0.copy_(v1)``): XLA invalidates a donated
-    buffer whether or not an output takes it over.
+    buffer whether or not an output takes it over. ``host_values`` (a
+    ``host.HostPart``) names the write-backs and outputs computed on the host.
     """
     holders = live.holders
     tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
@@ -137,11 +139,15 @@ def plan_results(
         specs.append(ResultSpec(tuple(t.shape), t.dtype, forced))
         return len(tensors) - 1
 
-    written = sorted(set(written_inputs(live)) | set(donors))
+    on_host_written = {i for i, _ in host_values.writebacks} if host_values is not None else set()
+    on_host_outputs = dict(host_values.outputs) if host_values is not None else {}
+    written = sorted((set(written_inputs(live)) | set(donors)) - on_host_written)
     writebacks = tuple((i, add(holders[i])) for i in written)
     outputs = []
-    for value, host in zip(traced_outputs, to_host):
-        if not isinstance(value, torch.Tensor):
+    for position, (value, host) in enumerate(zip(traced_outputs, to_host)):
+        if position in on_host_outputs:
+            outputs.append(OutputSlot("host", on_host_outputs[position]))
+        elif not isinstance(value, torch.Tensor):
             outputs.append(OutputSlot("value", value=value))
         elif compat.tensor_id(value) in input_of_id:
             outputs.append(OutputSlot("input", input_of_id[compat.tensor_id(value)]))
@@ -233,8 +239,9 @@ def describe(params: Sequence[HloParam], specs: Sequence[ResultSpec], writebacks
     for k, spec in enumerate(specs):
         forced = " (copy)" if spec.forced else ""
         lines.append(f"  r{k:<3} {_sig(spec.shape, spec.dtype)}{forced} -> {', '.join(feeds.get(k, ['?']))}")
+    described = {"input": "input #{index}", "host": "computed on the host"}
     passthrough = [
-        f"output {pos} = input #{s.index}" if s.kind == "input" else f"output {pos} = {s.value!r}"
+        f"output {pos} = " + (described[s.kind].format(index=s.index) if s.kind in described else repr(s.value))
         for pos, s in enumerate(outputs)
         if s.kind != "result"
     ]

@@ -15,7 +15,9 @@
 """
 from __future__ import annotations
 
+import collections
 import logging
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -74,16 +76,53 @@ def has_identity_storage(t: torch.Tensor) -> bool:
     return all(type(meta).__name__ in _IDENTITY_VIEWS for meta in get_sequence(t))
 
 
+class _WrittenBuffers:
+    """Which buffer our write-back gave each tensor: target -> the tensor id torch_xla
+    tagged the buffer with (the result's).
+
+    The target is not synced after the write-back (a sync is a barrier: it would
+    wait for the device), so its buffer keeps the result's tag until something
+    syncs it; the ownership check accepts that tag too. Only the id is kept: a
+    reference to the result would keep its buffer alive, and dropping it later,
+    while an execution uses the buffer, waits for that execution. Keyed by
+    identity, weakly: an entry goes with its target.
+    """
+
+    def __init__(self):
+        self._entries: dict = {}  # id(target) -> (weakref to target, tag)
+
+    def set(self, target: torch.Tensor, tag: int) -> None:
+        key = id(target)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is target:
+            self._entries[key] = (entry[0], tag)
+            return
+        ref = weakref.ref(target, lambda _, key=key, entries=self._entries: entries.pop(key, None))
+        self._entries[key] = (ref, tag)
+
+    def get(self, target: torch.Tensor):
+        entry = self._entries.get(id(target))
+        return entry[1] if entry is not None and entry[0]() is target else None
+
+
+_written = _WrittenBuffers()
+
+
 def donors_owning_their_buffers(tensors: Sequence[torch.Tensor]) -> bool:
-    """True if each tensor's device data is tagged with its own tensor id.
+    """True if each tensor's device data is tagged with its own id, or with the tag
+    of the buffer our write-back gave it.
 
     torch_xla tags a shared buffer with the last tensor synced onto it, so a
-    tensor that copied another's buffer, or whose buffer was copied, fails this.
+    tensor that copied another's buffer, or whose buffer was copied and synced,
+    fails this.
     """
-    own_ids = compat.tensor_ids(tensors)
-    # passing the tensors back keeps torch_xla from wrapping (and so re-tagging) their buffers
-    data_ids, _ = compat.device_data_nodes(tensors, tensors)
-    return sorted(data_ids) == sorted(own_ids)
+    own = compat.tensor_ids(tensors)
+    accepted = [{own_id, _written.get(t)} for own_id, t in zip(own, tensors)]
+    # passing the tensors back keeps torch_xla from wrapping (and re-tagging) buffers
+    # tagged with their own ids
+    tags, _ = compat.device_data_nodes(tensors, tensors)
+    # each donor reads exactly one buffer, so the tags come in the tensors' order
+    return len(tags) == len(tensors) and all(tag in ok for tag, ok in zip(tags, accepted))
 
 
 def donor_buffers_distinct(device_args: Sequence, donors: Sequence[int]) -> bool:
@@ -94,11 +133,9 @@ def donor_buffers_distinct(device_args: Sequence, donors: Sequence[int]) -> bool
     """
     tensors = [a for a in device_args if isinstance(a, torch.Tensor) and a.device.type == "xla"]
     position = {id(t): k for k, t in enumerate(tensors)}
-    handles = compat.handles_or_none(tensors)
-    donor_handles = [handles[position[id(device_args[i])]] for i in donors]
-    if any(h is None for h in donor_handles):
-        return False
-    return all(handles.count(h) == 1 for h in donor_handles)
+    identities = compat.value_identities(tensors)
+    counts = collections.Counter(identities)
+    return all(counts[identities[position[id(device_args[i])]]] == 1 for i in donors)
 
 
 def _may_be_cache_miss(exc: RuntimeError) -> bool:
@@ -130,6 +167,7 @@ class XlaExecutable:
         lowered: LoweredGraph,
         relower: Callable[[bool, list], LoweredGraph],
         tags_untrusted: bool = False,
+        host_values=None,
     ):
         self.graph_name = graph_name
         self.lowered = lowered
@@ -139,10 +177,12 @@ class XlaExecutable:
         self.calls_without_donation = 0  # calls where a donor shared its buffer
         self.last_call: Optional[LoweredGraph] = None  # the variant the last call ran
         self._checked: set = set()  # hashes whose results were checked against the plan
+        self._held: list = []  # handles of the buffers the last call donated (_hold_donated)
         # Lowering on the real buffers (SPMD) re-tags them with torch_xla's temporary
         # wrappers, so the first call cannot read ownership from the tags; its
         # write-back tags them again.
         self._tags_untrusted = tags_untrusted
+        self._host_values = host_values  # host.HostPart: values computed on the host
 
     def __call__(self, args: list):
         args = list(args)
@@ -153,10 +193,34 @@ class XlaExecutable:
         lowered = self._choose_variant(args, device_args)
         self.last_call = lowered
         results = []
+        held = self._hold_donated(lowered, device_args)
         if lowered.graph_hash is not None:
             lowered, results = self._run(lowered, device_args)
+        on_host = self._host_values(args) if self._host_values is not None else ()
         self._write_back(args, lowered, results)
-        return [self._output(slot, args, results) for slot in lowered.outputs]
+        if self._host_values is not None:
+            with torch.no_grad():
+                for input_index, k in self._host_values.writebacks:
+                    args[input_index].copy_(on_host[k])
+        self._held = held  # lets go of the previous call's (its execution is done by now)
+        return [
+            on_host[slot.index] if slot.kind == "host" else self._output(slot, args, results)
+            for slot in lowered.outputs
+        ]
+
+    @staticmethod
+    def _hold_donated(lowered: LoweredGraph, device_args: list) -> list:
+        """Keep the donated buffers' torch_xla handles until the next call.
+
+        The write-back replaces each donor's buffer; if that dropped the last
+        handle of a buffer an in-flight execution was given as a donor, torch_xla
+        would wait for the execution (the whole step). The handles of donated
+        buffers hold no memory (XLA reuses it); they are let go one call later.
+        """
+        donors = [device_args[i] for i in lowered.donors if device_args[i].device.type == "xla"]
+        if not donors:
+            return []
+        return compat.device_data_nodes(donors)[1]
 
     def _plain_variant(self, device_args: list) -> LoweredGraph:
         if self._without_donation is None:
@@ -235,21 +299,18 @@ class XlaExecutable:
         ``copy_`` (not a handle swap) keeps functionalization's view tracking
         right, so views of a parameter see its new value, and it bumps the version
         counter as an in-place op would. The copy is of a device-data node, so it
-        executes nothing; syncing the targets only re-tags the new buffers as
-        theirs, which the ownership check on the next call relies on.
+        executes nothing. The targets are not synced (a sync waits for the device);
+        ``_written`` remembers whose buffer each now reads, for the ownership check.
         """
-        device_targets = []
         with torch.no_grad():
             for input_index, result_index in lowered.writebacks:
                 target = args[input_index]
                 new_value = results[result_index]
                 if target.device.type == "xla":
                     target.copy_(new_value)
-                    device_targets.append(target)
+                    _written.set(target, compat.tensor_id(new_value))
                 else:
                     target.copy_(new_value.cpu())
-        if device_targets:
-            compat.sync(device_targets, wait=False)
 
     @staticmethod
     def _output(slot, args: list, results: list):

@@ -1,0 +1,193 @@
+"""Does the host wait? donate_xla vs openxla: when a compiled call returns, and per-call host time.
+
+Three measurements, each backend in fresh processes, `--repeats` interleaved runs, medians:
+  - heavy: a 6 x Linear(2048) SGD-momentum step, batch 512. `return` is the time
+    until `step(x)` returns, `done` until the device has finished
+    (`xm.wait_device_ops()`); reported as return / done (torch_xla executes
+    asynchronously: a call that returns early lets Python prepare the next step).
+  - tiny: a 32 -> 64 -> 8 MLP step, batch 16: host seconds per call over 200 calls
+    (the device work is negligible, so this is the backend's own per-call cost).
+  - micro: 8 compiled forward/backward micro-batches, then a compiled optimizer
+    step, per training step (gradient accumulation): seconds per training step.
+Targets: heavy return/done <= 5%; tiny and micro <= 1.0x openxla. Run: `make bench`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+BACKENDS = ("donate_xla", "openxla")
+HEAVY_STEPS, TINY_CALLS, MICRO_STEPS, MICRO_BATCHES = 5, 200, 6, 8
+
+
+def _mlp(widths):
+    import torch
+
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def heavy(backend: str) -> dict:
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import donate_backend  # noqa: F401
+
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    model = _mlp([2048] * 7).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(512, 2048).to(device)
+
+    @torch.compile(backend=backend)
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for _ in range(3):
+        step(x)
+        xm.wait_device_ops()
+    returns, dones = [], []
+    for _ in range(HEAVY_STEPS):
+        start = time.perf_counter()
+        step(x)
+        returns.append(time.perf_counter() - start)
+        torch_xla.sync()
+        xm.wait_device_ops()
+        dones.append(time.perf_counter() - start)
+    from xla_common import median
+
+    return dict(return_s=median(returns), done_s=median(dones), fraction=median(r / d for r, d in zip(returns, dones)))
+
+
+def tiny(backend: str) -> dict:
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import donate_backend  # noqa: F401
+
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    model = _mlp([32, 64, 8]).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(16, 32).to(device)
+
+    @torch.compile(backend=backend)
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for _ in range(5):
+        step(x)
+    torch_xla.sync()
+    xm.wait_device_ops()
+    start = time.perf_counter()
+    for _ in range(TINY_CALLS):
+        step(x)
+    host = (time.perf_counter() - start) / TINY_CALLS
+    torch_xla.sync()
+    xm.wait_device_ops()
+    return dict(host_s_per_call=host)
+
+
+def micro(backend: str) -> dict:
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import donate_backend  # noqa: F401
+
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    model = _mlp([256, 512, 512, 16]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [torch.randn(32, 256).to(device) for _ in range(MICRO_BATCHES)]
+
+    @torch.compile(backend=backend)
+    def forward_backward(x):
+        loss = model(x).square().mean() / MICRO_BATCHES
+        loss.backward()
+        return loss
+
+    @torch.compile(backend=backend)
+    def optimizer_step():
+        opt.step()
+        opt.zero_grad()
+
+    def train_step():
+        for x in batches:
+            forward_backward(x)
+        optimizer_step()
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+    for _ in range(3):
+        train_step()
+    times = []
+    for _ in range(MICRO_STEPS):
+        start = time.perf_counter()
+        train_step()
+        times.append(time.perf_counter() - start)
+    from xla_common import median
+
+    return dict(step_s=median(times))
+
+
+KINDS = {"heavy": heavy, "tiny": tiny, "micro": micro}
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--worker", nargs=2, metavar=("KIND", "BACKEND"), help="internal: one run")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    if args.worker:
+        kind, backend = args.worker
+        print(json.dumps(KINDS[kind](backend)))
+        return
+
+    from xla_common import run_worker, summarize, write_json
+
+    runs = {(k, b): [] for k in KINDS for b in BACKENDS}
+    for _ in range(args.repeats):
+        for kind in KINDS:
+            for backend in BACKENDS:
+                runs[kind, backend].append(run_worker(__file__, "--worker", kind, backend))
+    figure = {"heavy": "fraction", "tiny": "host_s_per_call", "micro": "step_s"}
+    print(f"\n== dispatch: {args.repeats} repeats, medians [min-max]")
+    summary = {}
+    for kind, key in figure.items():
+        for backend in BACKENDS:
+            median, lo, hi = summarize(runs[kind, backend], key)
+            summary[f"{kind}_{backend}"] = dict(median=median, min=lo, max=hi)
+            extra = ""
+            if kind == "heavy":
+                done = summarize(runs[kind, backend], "done_s")[0]
+                extra = f"  (returns after {summarize(runs[kind, backend], 'return_s')[0] * 1e3:.1f} ms of {done * 1e3:.0f} ms)"
+            print(f"{kind:6} {backend:11} {key:16} {median:10.4g} [{lo:.4g}-{hi:.4g}]{extra}")
+        if kind != "heavy":
+            ratio = summary[f"{kind}_donate_xla"]["median"] / summary[f"{kind}_openxla"]["median"]
+            summary[f"{kind}_ratio"] = ratio
+            print(f"{kind:6} ratio donate_xla / openxla: {ratio:.2f}")
+    write_json(args.json, summary)
+
+
+if __name__ == "__main__":
+    main()
