@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PJRT_DEVICE ?= CPU
 
-.PHONY: demo test bench fuzz clean
+.PHONY: demo test bench fuzz peer-tests clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ bench: $(STAMP)
 	$(PY) bench/backward_memory.py
 	$(PY) bench/ddp_memory.py
 	$(PY) bench/spmd.py
+
+# torch_xla's own dynamo tests (v2.9.0) under openxla and under donate_xla, compared; not part of
+# `make test`. Needs a pytorch/xla git checkout or snapshot (PEER_XLA_SRC) and torchvision 0.24.
+# Options: make peer-tests PEER_ARGS="--json peer.json --failures-only"
+peer-tests: $(STAMP)
+	$(PY) tools/peer_tests.py $(PEER_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
