@@ -4,6 +4,17 @@ Dynamo hands us an FX graph. aot_autograd turns it into functional forward,
 backward or inference graphs (input mutations kept in the graph as ``copy_``),
 and each of those is compiled by the path that owns its device: XLA graphs by
 ``donate_backend.xla``, CUDA/CPU graphs by ``donate_backend.native``.
+
+Each path module provides the same four functions, and this entry knows
+nothing about any one path:
+
+- ``check_dynamo_graph(gm, example_inputs, graph_id)``: refuse a graph early;
+- ``capture(gm, example_inputs)``: whatever the path must learn from the
+  dynamo graph itself, before aot_autograd (the native path: which inputs are
+  the parameters of the DDP module being traced); handed to its compilers as
+  ``GraphContext.captured``;
+- ``aot_options()``: extra aot_autograd options;
+- ``compile_graph(gm, example_inputs, ctx)``: compile one aot graph.
 """
 from __future__ import annotations
 
@@ -27,9 +38,7 @@ class GraphContext:
     graph_id: int
     kind: str  # "forward", "backward" or "inference"
     input_roles: tuple = ()  # one role per dynamo input (see analysis.mutation)
-    # DDP (issue 5): a ``ddp.DDPGraphInfo`` when dynamo traced this graph inside a
-    # DistributedDataParallel forward (which inputs are its parameters), else None.
-    ddp: object = None
+    captured: object = None  # what the path's ``capture`` hook returned for this graph
 
     @property
     def name(self) -> str:
@@ -53,10 +62,10 @@ def _path_module(device_type: str):
 
 
 def _kind_compiler(
-    path_compile: Callable, graph_id: int, roles: tuple, kind: str, ddp=None
+    path_compile: Callable, graph_id: int, roles: tuple, kind: str, captured=None
 ) -> Callable:
     def compile_one(gm: torch.fx.GraphModule, example_inputs):
-        return path_compile(gm, list(example_inputs), GraphContext(graph_id, kind, roles, ddp))
+        return path_compile(gm, list(example_inputs), GraphContext(graph_id, kind, roles, captured))
 
     return compile_one
 
@@ -64,18 +73,11 @@ def _kind_compiler(
 def donate_xla(gm: torch.fx.GraphModule, example_inputs, **_options):
     """Dynamo backend entry point (registered as ``"donate_xla"``)."""
     graph_id = next(_graph_ids)
-    device_type = graph_device_type(example_inputs)
-    path = _path_module(device_type)
+    path = _path_module(graph_device_type(example_inputs))
     path.check_dynamo_graph(gm, example_inputs, graph_id)
     roles = dynamo_input_roles(gm, example_inputs)
-    # DDP (issue 5): which inputs are the parameters of the DDP module being traced;
-    # must run here, inside the DDP forward, before aot_autograd.
-    ddp_info = None
-    if device_type == "native":
-        from . import ddp
-
-        ddp_info = ddp.capture(gm, example_inputs)
-    make = functools.partial(_kind_compiler, path.compile_graph, graph_id, roles, ddp=ddp_info)
+    captured = path.capture(gm, example_inputs)  # here: inside dynamo, before aot_autograd
+    make = functools.partial(_kind_compiler, path.compile_graph, graph_id, roles, captured=captured)
     aot_options = dict(
         fw_compiler=make("forward"),
         bw_compiler=make("backward"),

@@ -1,12 +1,41 @@
-"""Worker functions for the multi-process DDP tests (importable for ``mp.spawn``).
+"""Worker side of the multi-process DDP tests (importable for ``mp.spawn``).
 
-Each worker joins a 2-rank gloo group on 127.0.0.1, runs one scenario with
-eager DDP and with ``torch.compile(ddp, backend="donate_xla")`` from the same
-initial weights and data, and puts a dict of results in a queue for the
-parent (rank 0 only, plus any failure on either rank).
+Each worker joins an N-rank gloo group on 127.0.0.1 and runs a list of *jobs*.
+A job trains eager DDP and ``torch.compile(ddp, backend="donate_xla")`` from
+the same initial weights and data through the same *program* (a list of
+steps), snapshots every parameter and ``.grad`` after every step, and puts one
+result dict per job in a queue for the parent: the differences from eager DDP
+on this rank, and what the backend did (slot writes, log lines, ...). The
+parent (tests/test_ddp*.py) asserts on the results of every rank.
+
+A step is a dict; ``kind`` says what it does:
+
+- ``train``: forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad(set_to_none=...)``;
+- ``accumulate``: forward and backward under ``no_sync()`` (no optimizer step);
+- ``accumulate_subset``: forward under ``no_sync()``, ``backward(inputs=<a subset>)``;
+- ``grad_input``: forward, ``torch.autograd.grad(loss, x)`` (``.grad`` must stay as it is);
+- ``subset``: forward, ``backward(inputs=<a subset>)`` (eager DDP cannot take
+  another synced step after it, so it ends a program);
+- ``retain``: forward, ``backward(retain_graph=True)`` then ``backward()`` (the second is not reduced).
+
+(Eager DDP refuses ``backward(create_graph=True)`` with "a leaf Variable that
+requires grad is being used in an in-place operation"; tests/test_native_grads.py
+covers create_graph without DDP.)
+
+Other step keys: ``set_to_none`` (train), ``use_last`` (False leaves the last
+layer unused), ``subset`` (parameter indices for the subset kinds),
+``settings`` (a ``config.patch`` for the compiled run of this step only).
+
+Job options: ``graph_break``, ``bucket_cap_mb``, ``param_hook``, ``comm_hook``,
+``optimizer_in_backward`` (an SGD update in a post-accumulate-grad hook),
+``join`` (``{"divide_by_initial_world_size": bool, "from_step": n}``: rank r
+runs r fewer steps, inside ``ddp.join(...)`` from step n), ``real_model`` (a
+name in tests/real_models.py), ``exact`` (False: compare with ``tolerance``,
+default rtol 1e-5, atol 1e-6), ``try_comm_hook_after``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import traceback
@@ -53,18 +82,70 @@ def _init(rank: int, world_size: int, port: int) -> None:
     )
 
 
-def _batches(rank: int, steps: int, batch: int = 4, width: int = WIDTH):
-    gen = torch.Generator().manual_seed(100 + rank)
-    return [torch.randn(batch, width, generator=gen) for _ in range(steps)]
+# ---- models ------------------------------------------------------------------
 
 
-def _make_ddp(compiled: bool, scenario: str, **ddp_kwargs):
-    torch.manual_seed(0)
-    model = MLP()
-    ddp = DDP(model, bucket_cap_mb=25 if scenario == "graph_break" else 1, **ddp_kwargs)
-    if scenario == "param_hook":
+class MLPTask:
+    """The 4-layer MLP, ``sum()`` as the loss, batches of 4 per rank."""
+
+    exact = True  # eager is deterministic here: compare bitwise
+
+    def __init__(self, options: dict):
+        self.options = options
+
+    def build(self):
+        torch.manual_seed(0)
+        return MLP()
+
+    def batch(self, rank: int, step: int):
+        gen = torch.Generator().manual_seed(1000 * rank + step)
+        return torch.randn(4, WIDTH, generator=gen)
+
+    def loss(self, run, x, step: dict):
+        kwargs = {}
+        if not step.get("use_last", True):
+            kwargs["use_last"] = False
+        if self.options.get("graph_break"):
+            kwargs["graph_break"] = True
+        return run(x, **kwargs).sum()
+
+    def input_for_grad(self, x):
+        return x.requires_grad_()
+
+
+class RealModelTask:
+    """A model of tests/real_models.py (tiny config, random weights)."""
+
+    exact = False
+
+    def __init__(self, options: dict):
+        from real_models import MODELS
+
+        self.spec = MODELS[options["real_model"]]
+
+    def build(self):
+        return self.spec.build()
+
+    def batch(self, rank: int, step: int):
+        return self.spec.batch(1000 * rank + step)
+
+    def loss(self, run, batch, step: dict):
+        return self.spec.loss(run, batch)
+
+
+def _task(options: dict):
+    return RealModelTask(options) if "real_model" in options else MLPTask(options)
+
+
+# ---- one run (eager or compiled) -----------------------------------------------
+
+
+def _make_ddp(task, options: dict, ddp_kwargs: dict, compiled: bool):
+    model = task.build()
+    ddp = DDP(model, bucket_cap_mb=options.get("bucket_cap_mb", 1), **ddp_kwargs)
+    if options.get("param_hook"):
         model.layers[0].weight.register_hook(lambda grad: grad * 2)
-    if scenario == "comm_hook":
+    if options.get("comm_hook"):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         ddp.register_comm_hook(None, allreduce_hook)
@@ -79,11 +160,111 @@ def _snapshot(model):
     }
 
 
-def _grads_in_buckets(ddp) -> bool:
-    """Every param.grad lies inside the storage of one of our learned bucket slots."""
-    from donate_backend import ddp as ddp_path
+def _subset(model, step: dict) -> list:
+    params = list(model.parameters())
+    return [params[i] for i in step.get("subset", [len(params) - 2])]  # default: last weight
 
-    state = ddp_path.state_for(ddp)
+
+def _run_step(task, model, ddp, runner, opt, step: dict, rank: int, index: int, hooks_seen: list):
+    batch = task.batch(rank, index)
+    kind = step["kind"]
+    if kind in ("accumulate", "accumulate_subset"):
+        with ddp.no_sync():
+            loss = task.loss(runner, batch, step)
+        if kind == "accumulate":
+            loss.backward()
+        else:
+            loss.backward(inputs=_subset(model, step))
+    elif kind == "grad_input":
+        x = task.input_for_grad(batch)
+        (grad_x,) = torch.autograd.grad(task.loss(runner, x, step), x)
+        hooks_seen.append((f"step {index} grad x", grad_x.detach().clone()))
+    elif kind == "subset":
+        task.loss(runner, batch, step).backward(inputs=_subset(model, step))
+    elif kind == "retain":
+        loss = task.loss(runner, batch, step)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    elif kind == "train":
+        task.loss(runner, batch, step).backward()
+    else:
+        raise ValueError(f"unknown step kind {kind!r}")
+    snapshot = _snapshot(model)
+    if kind == "train":
+        opt.step()
+        opt.zero_grad(set_to_none=step.get("set_to_none", True))
+    return snapshot
+
+
+def _optimizer_in_backward(model, seen: list):
+    """SGD applied per parameter from a post-accumulate-grad hook (optimizer in backward)."""
+    handles = []
+
+    def make_hook(index):
+        def hook(param):
+            seen.append((f"param {index}", param.grad.detach().clone()))
+            with torch.no_grad():
+                param.add_(param.grad, alpha=-0.01)
+
+        return hook
+
+    for index, param in enumerate(model.parameters()):
+        handles.append(param.register_post_accumulate_grad_hook(make_hook(index)))
+    return handles
+
+
+def _train(compiled: bool, rank: int, job: dict):
+    from donate_backend import config, ddp as ddp_path
+
+    options = job.get("options", {})
+    task = _task(options)
+    model, ddp, runner = _make_ddp(task, options, job.get("ddp_kwargs", {}), compiled)
+    opt = torch.optim.SGD(model.parameters(), lr=options.get("lr", 0.01))
+    seen: list = []  # post-accumulate-grad hook values, autograd.grad results
+    if options.get("optimizer_in_backward"):
+        _optimizer_in_backward(model, seen)
+    snapshots, observed = [], {"slot_writes": [], "out_writes": [], "buckets_reduced": [],
+                               "in_buckets": [], "bucket_mode": []}
+    program = list(job["program"])
+    join = options.get("join")
+    join_context = contextlib.nullcontext()
+    if join is not None:
+        # Uneven inputs: rank r runs r fewer steps inside the Join context.
+        program = program[: len(program) - rank]
+        join_from = join.get("from_step", 0)
+    for index, step in enumerate(program):
+        if join is not None and index == join_from:
+            join_context = ddp.join(
+                divide_by_initial_world_size=join["divide_by_initial_world_size"]
+            )
+            join_context.__enter__()
+        patch = step.get("settings", {}) if compiled else {}
+        with config.patch(**patch):
+            snapshots.append(_run_step(task, model, ddp, runner, opt, step, rank, index, seen))
+        if compiled:
+            binding = ddp_path.binding_of(ddp)
+            counts = binding.counts if binding is not None else None
+            observed["slot_writes"].append(0 if counts is None else counts.slot_writes)
+            observed["out_writes"].append(0 if counts is None else counts.out_writes)
+            observed["buckets_reduced"].append(0 if counts is None else counts.buckets_reduced)
+            observed["in_buckets"].append(_grads_in_buckets(binding))
+            observed["bucket_mode"].append(binding is not None and binding.state is not None)
+    if join is not None:
+        if len(program) <= join_from:  # this rank ran out of data before the Join began
+            join_context = ddp.join(
+                divide_by_initial_world_size=join["divide_by_initial_world_size"]
+            )
+            join_context.__enter__()
+        join_context.__exit__(None, None, None)  # joined ranks shadow the others' steps
+        snapshots.append(_snapshot(model))
+    if compiled:
+        observed["final"] = _final_checks(ddp, options)
+    return snapshots, seen, observed
+
+
+def _grads_in_buckets(binding) -> bool:
+    """Every ``param.grad`` lies inside the storage of one of our learned bucket slots."""
+    state = None if binding is None else binding.state
     if state is None:
         return False
     ranges = []
@@ -104,91 +285,97 @@ def _grads_in_buckets(ddp) -> bool:
     return True
 
 
-def _bucket_sizes(ddp) -> str:
-    """DDP's own record of its (rebuilt, when it rebuilt) bucket sizes."""
+def _final_checks(ddp, options: dict) -> dict:
+    """The module's state after the program: bucket views as given, and whether a
+    user comm hook can be registered (it cannot while our hook is on the reducer)."""
     data = ddp._get_ddp_logging_data()
-    return data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")
-
-
-def _train(compiled: bool, rank: int, scenario: str, steps: int = 3, **ddp_kwargs):
-    """Run ``steps`` SGD steps of one scenario; return snapshots after each step."""
-    model, ddp, runner = _make_ddp(compiled, scenario, **ddp_kwargs)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = _batches(rank, steps * 2)
-    snapshots, in_buckets, slot_writes, out_writes, reduced = [], [], [], [], []
-    for step in range(steps):
-        if scenario == "no_sync":
-            with ddp.no_sync():
-                runner(data[2 * step]).sum().backward()
-            runner(data[2 * step + 1]).sum().backward()
-        elif scenario == "unused":
-            runner(data[step], use_last=(step != 1)).sum().backward()
-        elif scenario == "graph_break":
-            runner(data[step], graph_break=True).sum().backward()
-        else:
-            runner(data[step]).sum().backward()
-        snapshots.append(_snapshot(model))
-        if compiled:
-            from donate_backend import ddp as ddp_path
-
-            state = ddp_path.state_for(ddp)
-            in_buckets.append(state is not None and _grads_in_buckets(ddp))
-            slot_writes.append(0 if state is None else state.slot_writes)
-            out_writes.append(0 if state is None else state.out_writes)
-            reduced.append(0 if state is None else state.buckets_reduced)
-        opt.step()
-        opt.zero_grad(set_to_none=(scenario != "zero_grad_keep"))
-    snapshots.append(_snapshot(model))
-    return snapshots, {
-        "in_buckets": in_buckets,
-        "slot_writes": slot_writes,
-        "out_writes": out_writes,
-        "buckets_reduced": reduced,
-        "bucket_sizes": _bucket_sizes(ddp),
+    final = {
+        "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+        "bucket_sizes": data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes"),
     }
+    if options.get("try_comm_hook_after"):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        try:
+            ddp.register_comm_hook(None, allreduce_hook)
+            final["comm_hook_registered"] = True
+        except RuntimeError as error:
+            final["comm_hook_registered"] = str(error).splitlines()[0]
+    return final
 
 
-def _compare(eager, compiled) -> list:
-    """Mismatch descriptions (empty when everything is bitwise equal)."""
+# ---- comparison --------------------------------------------------------------
+
+
+def _differ(x, y, exact: bool, tolerance: dict):
+    if exact:
+        return not torch.equal(x, y)
+    return not torch.allclose(x, y, **tolerance)
+
+
+def compare(eager, compiled, exact: bool, tolerance=None) -> list:
+    """Mismatch descriptions (empty when everything matches: bitwise when ``exact``)."""
+    tolerance = tolerance or {"rtol": 1e-5, "atol": 1e-6}
     problems = []
     for step, (a, b) in enumerate(zip(eager, compiled)):
         for kind in ("params", "grads"):
             for i, (x, y) in enumerate(zip(a[kind], b[kind])):
                 if (x is None) != (y is None):
-                    problems.append(f"step {step} {kind}[{i}]: None mismatch ({x is None}, {y is None})")
-                elif x is not None and not torch.equal(x, y):
+                    problems.append(f"step {step} {kind}[{i}]: None mismatch (eager {x is None}, ours {y is None})")
+                elif x is not None and _differ(x, y, exact, tolerance):
                     diff = (x - y).abs().max().item()
                     problems.append(f"step {step} {kind}[{i}]: max diff {diff}")
+    if len(eager) != len(compiled):
+        problems.append(f"{len(eager)} eager snapshots, {len(compiled)} compiled")
     return problems
 
 
-def scenario_worker(rank, world_size, port, scenario, queue, ddp_kwargs, settings):
-    """Compare eager DDP with compiled DDP for one scenario."""
+def _run_job(rank: int, job: dict) -> dict:
+    from donate_backend import config, report
+
+    capture = LogCapture()
+    logger = logging.getLogger("donate_xla")
+    report.clear_reports()
+    torch._dynamo.reset()
+    eager, eager_seen, _ = _train(False, rank, job)
+    torch._dynamo.reset()
+    logger.addHandler(capture)
+    try:
+        with config.patch(**job.get("settings", {})):
+            compiled, seen, observed = _train(True, rank, job)
+    finally:
+        logger.removeHandler(capture)
+    options = job.get("options", {})
+    exact = options.get("exact", _task(options).exact)
+    problems = compare(eager, compiled, exact, options.get("tolerance"))
+    # Hooks may fire in another order across parameters; per parameter, the
+    # firings and their values must be eager's.
+    eager_seen = sorted(eager_seen, key=lambda item: item[0])
+    seen = sorted(seen, key=lambda item: item[0])
+    if [tag for tag, _ in eager_seen] != [tag for tag, _ in seen]:
+        problems.append(f"hook firings / autograd.grad results differ: eager {len(eager_seen)}, ours {len(seen)}")
+    for (tag, a), (_, b) in zip(eager_seen, seen):
+        if _differ(a, b, exact, options.get("tolerance") or {"rtol": 1e-5, "atol": 1e-6}):
+            problems.append(f"{tag}: max diff {(a - b).abs().max().item()}")
+    records = [r for r in report.reports() if r.kind == "backward"]
+    return {
+        "rank": rank,
+        "job": job["name"],
+        "problems": problems,
+        **observed,
+        "bucket_grads": [r.bucket_grads for r in records],
+        "bucket_bytes": [r.bucket_bytes for r in records],
+        "logs": capture.lines,
+    }
+
+
+def jobs_worker(rank, world_size, port, jobs, queue):
+    """Run every job on this rank; one queue entry per job (or one error entry)."""
     try:
         _init(rank, world_size, port)
-        capture = LogCapture()
-        logging.getLogger("donate_xla").addHandler(capture)
-        from donate_backend import report
-
-        report.clear_reports()
-        torch._dynamo.reset()
-        eager, _ = _train(False, rank, scenario, **ddp_kwargs)
-        torch._dynamo.reset()
-        from donate_backend import config
-
-        with config.patch(**settings):
-            compiled, observed = _train(True, rank, scenario, **ddp_kwargs)
-        records = [r for r in report.reports() if r.kind == "backward"]
-        result = {
-            "rank": rank,
-            "problems": _compare(eager, compiled),
-            **observed,
-            "bucket_grads": [r.bucket_grads for r in records],
-            "bucket_bytes": [r.bucket_bytes for r in records],
-            "logs": capture.lines,
-        }
-        queue.put(result)
-        dist.barrier()
+        for job in jobs:
+            queue.put(_run_job(rank, job))
+            dist.barrier()
         dist.destroy_process_group()
     except Exception:  # report the failure to the parent instead of hanging it
         queue.put({"rank": rank, "error": traceback.format_exc()})

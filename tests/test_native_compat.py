@@ -14,7 +14,7 @@ from donate_backend.native import compat, free_saved
 def test_keep_graph_is_unknown_without_the_api(monkeypatch):
     monkeypatch.delattr(torch._C._autograd, "_get_current_graph_task_keep_graph")
     assert compat.keep_graph() is None
-    assert free_saved._may_reuse_saved_buffers() is False
+    assert free_saved.may_reuse_saved_buffers() is False
 
 
 def test_keep_graph_is_unknown_when_the_api_raises(monkeypatch):
@@ -32,7 +32,7 @@ def test_when_keep_graph_is_unknown_the_backward_never_reuses(monkeypatch):
     real_call = free_saved.FreeingProgram.__call__
 
     def spy(self, args):
-        ran.append(self.reusing is not None and free_saved._may_reuse_saved_buffers())
+        ran.append(self.reusing is not None and free_saved.may_reuse_saved_buffers())
         return real_call(self, args)
 
     monkeypatch.setattr(free_saved.FreeingProgram, "__call__", spy)

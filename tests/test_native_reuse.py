@@ -101,9 +101,9 @@ def test_reusing_code_does_not_run_while_the_graph_is_kept(monkeypatch):
     model, x = _mlp_and_input()
     expected = _retain_twice(copy.deepcopy(model), x)
     calls = []
-    real = free_saved._may_reuse_saved_buffers
+    real = free_saved.may_reuse_saved_buffers
     monkeypatch.setattr(
-        free_saved, "_may_reuse_saved_buffers", lambda: calls.append(real()) or calls[-1]
+        free_saved, "may_reuse_saved_buffers", lambda: calls.append(real()) or calls[-1]
     )
     got = _retain_twice(torch.compile(model, backend="donate_xla"), x)
     assert calls == [True, False, False]
@@ -117,7 +117,7 @@ def test_reusing_under_retain_graph_would_corrupt_gradients(monkeypatch):
     expected = _retain_twice(copy.deepcopy(model), x)
     compiled = torch.compile(copy.deepcopy(model), backend="donate_xla")
     assert all(torch.allclose(g, e) for g, e in zip(_retain_twice(compiled, x), expected))
-    monkeypatch.setattr(free_saved, "_may_reuse_saved_buffers", lambda: True)
+    monkeypatch.setattr(free_saved, "may_reuse_saved_buffers", lambda: True)
     # The overwritten saved tensor is caught by autograd's version counter.
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _retain_twice(torch.compile(model, backend="donate_xla"), x)

@@ -7,38 +7,50 @@ its per-parameter views; we remember those views ("slots") and the compiled
 backward writes the next step's gradients straight into them.
 
 After DDP rebuilds its buckets (once, before the second step's forward), the
-remembered slots point into the old buffers; ``slots_current`` drops them and
-the hook learns the new ones at the end of that step.
+remembered slots point into the old buffers; ``slot`` drops them and the hook
+learns the new ones at the end of that step.
+
+``WriteCounts`` are kept per module across states (a module gets a new state
+each time our hook is installed on a new reducer).
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from typing import Optional
 
 import torch
 
+from . import compat
+
+
+@dataclasses.dataclass
+class WriteCounts:
+    """What the compiled backwards and our hook did for one DDP module (for tests and reports)."""
+
+    slot_writes: int = 0  # gradients the compiled backward wrote into slots
+    out_writes: int = 0  # of those, computed straight into the slot (mm out=)
+    buckets_reduced: int = 0  # buckets our hook has all-reduced
+
 
 class DDPBucketState:
-    """What the backend knows about one DDP module's buckets."""
+    """What the backend knows about one DDP module's buckets (while our hook is on its reducer)."""
 
-    def __init__(self, ddp_module, process_group):
+    def __init__(self, ddp_module, params, counts: WriteCounts):
         self._ddp = weakref.ref(ddp_module)
-        self.process_group = process_group
-        self.world_size = process_group.size()
-        self.params = list(ddp_module._module_parameters)
+        self.process_group = ddp_module.process_group
+        self.world_size = self.process_group.size()
+        self.params = list(params)
         self._index_by_id = {id(p): i for i, p in enumerate(self.params)}
         self._slots: dict[int, torch.Tensor] = {}
         self._learned_with_rebuilt: Optional[bool] = None
         self._lock = threading.Lock()
-        self.hook_registered = False
-        self.buckets_reduced = 0  # how many buckets our hook has all-reduced
-        self.slot_writes = 0  # gradients the compiled backward wrote into slots
-        self.out_writes = 0  # of those, computed straight into the slot (mm out=)
+        self.counts = counts
 
     def _rebuilt_flag(self) -> Optional[bool]:
         ddp = self._ddp()
-        return None if ddp is None else bool(getattr(ddp, "_has_rebuilt_buckets", False))
+        return None if ddp is None else compat.has_rebuilt_buckets(ddp)
 
     def learn(self, bucket) -> None:
         """Remember the slots of one ready bucket (called from the comm hook)."""
@@ -64,8 +76,10 @@ class DDPBucketState:
     def slot(self, index: int) -> Optional[torch.Tensor]:
         """The current slot of parameter ``index``, or None (not learned, or stale)."""
         with self._lock:
-            if self._slots and self._learned_with_rebuilt != self._rebuilt_flag():
-                # DDP rebuilt its buckets since we learned: our views are stale.
+            flag = self._rebuilt_flag()
+            if self._slots and (flag is None or self._learned_with_rebuilt != flag):
+                # DDP rebuilt its buckets since we learned (or we cannot tell):
+                # our views are stale.
                 self._slots.clear()
             return self._slots.get(index)
 

@@ -20,11 +20,16 @@ directly. Every guard has a test that removes the API by monkeypatching
   ``GraphModule._boxed_call`` is read-only, so we never set it on a module;
   we always mark a plain function we own.
 - ``storage_key(tensor)``: a hashable identity of a (fake) tensor's storage.
-- ``inductor_compile(...)`` / ``inductor_aot_options()``: the Inductor entry
-  points the ``inductor`` executor uses.
+- ``donated_indices(indices)``: sets the donated list Inductor reads while it
+  compiles one variant (donating or not) of a backward.
+- ``inductor_compile(...)`` / ``inductor_aot_options()`` /
+  ``inductor_graph_passes(gm)`` / ``mark_outputs_user_visible(gm)``: the
+  Inductor entry points the ``inductor`` executor uses, wired the way
+  ``torch._inductor.compile_fx.compile_fx`` wires them.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, List, Optional
 
 import torch
@@ -81,8 +86,6 @@ def current_tracing_context():
 
 def tracing(context):
     """Context manager that re-enters ``context`` (a no-op for None)."""
-    import contextlib
-
     if context is None:
         return contextlib.nullcontext()
     from torch._guards import tracing as enter_tracing
@@ -108,6 +111,90 @@ def storage_key(tensor: torch.Tensor):
     return StorageWeakRef(tensor.untyped_storage())
 
 
+@contextlib.contextmanager
+def donated_indices(indices):
+    """Set ``fw_metadata.bw_donated_idxs`` of the current tracing context while
+    Inductor compiles (it reads the list there); restore it afterwards. A no-op
+    when there is no such metadata."""
+    context = current_tracing_context()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    if metadata is None or not hasattr(metadata, "bw_donated_idxs"):
+        yield
+        return
+    saved = metadata.bw_donated_idxs
+    metadata.bw_donated_idxs = list(indices)
+    try:
+        yield
+    finally:
+        metadata.bw_donated_idxs = saved
+
+
+def inductor_graph_passes(gm) -> bool:
+    """Run Inductor's joint-graph passes on ``gm`` in place; False if this torch has none.
+
+    ``compile_fx`` runs them inside its partitioner (training) or before
+    compiling (inference). Among them ``replace_random`` turns dropout's random
+    ops into the ones Inductor lowers ("should have been handled in
+    replace_random.py" otherwise). Without them a graph with random ops fails
+    to lower, with Inductor's own error; other graphs compile as before.
+    """
+    from torch._inductor import compile_fx as inductor_compile_fx
+
+    passes = getattr(inductor_compile_fx, "_recursive_joint_graph_passes", None)
+    if passes is None:
+        return False
+    values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    with _inductor_fake_mode(values):
+        passes(gm)
+    return True
+
+
+def _inductor_fake_mode(values):
+    """Inductor's passes read the fake mode from its ``V`` handler, which
+    ``compile_fx`` sets around aot_autograd; set it from the graph's values."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.virtualized import V
+
+    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        return contextlib.nullcontext()
+    return V.set_fake_mode(fake_mode)
+
+
+def inductor_decompose(gm, example_inputs):
+    """``gm`` retraced with Inductor's decompositions (a new GraphModule).
+
+    ``compile_fx_inner`` expects graphs that aot_autograd traced with Inductor's
+    decomposition table; a graph captured for the ATen executor (before the
+    switch was flipped to Inductor) has ops Inductor both decomposes and falls
+    back on ("both a fallback and a decomp for same op: aten.t.default").
+    """
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = detect_fake_mode(list(example_inputs))
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        return make_fx(
+            torch.fx.Interpreter(gm).run, decomposition_table=select_decomp_table()
+        )(*example_inputs)
+
+
+def mark_outputs_user_visible(gm) -> None:
+    """Ask Inductor to keep the eager strides of every output of ``gm``.
+
+    ``compile_fx`` marks the user-visible outputs in the output node's meta
+    (``user_visible_output_idxs``); ``compile_fx_inner`` alone leaves Inductor
+    free to pick strides. Marking every output is the conservative choice. A
+    torch that ignores the key is unaffected.
+    """
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    output.meta["user_visible_output_idxs"] = [
+        i for i, value in enumerate(values) if isinstance(value, torch.fx.Node)
+    ]
+
+
 def inductor_compile(gm, example_inputs, *, is_backward: bool, is_inference: bool):
     """Compile an aot_autograd graph with Inductor; returns a boxed callable."""
     from torch._inductor.compile_fx import compile_fx_inner
@@ -117,12 +204,42 @@ def inductor_compile(gm, example_inputs, *, is_backward: bool, is_inference: boo
     )
 
 
+def aten_aot_options() -> dict:
+    """aot_autograd options for the ATen executor: the min-cut partitioner, as aot_eager.
+
+    Without it (a torch that moved it) aot_autograd's default partitioner is
+    used: the same gradients, more saved activations.
+    """
+    try:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+    except ImportError:
+        return {}
+    return {"partition_fn": min_cut_rematerialization_partition}
+
+
 def inductor_aot_options() -> dict:
-    """aot_autograd options Inductor expects: its decompositions and partitioner."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    """aot_autograd options Inductor expects: its decompositions and partitioner.
+
+    Inductor's decompositions call into ``torch._inductor.lowering`` (e.g.
+    ``max_pool2d_with_indices``), which only ``compile_fx`` imports; without
+    that import aot_autograd's tracing fails with "module 'torch._inductor' has
+    no attribute 'lowering'" (issue 11, torchvision resnet18).
+    """
+    from torch._inductor import compile_fx as inductor_compile_fx  # imports ...lowering
     from torch._inductor.decomposition import select_decomp_table
 
-    return {
-        "decompositions": select_decomp_table(),
-        "partition_fn": min_cut_rematerialization_partition,
-    }
+    # Inductor's own partitioner runs its joint-graph passes, then min-cut.
+    inductor_partition = getattr(inductor_compile_fx, "partition_fn", None)
+    if inductor_partition is None:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        return {
+            "decompositions": select_decomp_table(),
+            "partition_fn": min_cut_rematerialization_partition,
+        }
+
+    def partition_fn(gm, joint_inputs, **kwargs):
+        with _inductor_fake_mode(list(joint_inputs)):
+            return inductor_partition(gm, joint_inputs, **kwargs)
+
+    return {"decompositions": select_decomp_table(), "partition_fn": partition_fn}

@@ -1,24 +1,27 @@
-"""The callable aot_autograd gets for one native graph, keyed on every switch.
+"""The callable aot_autograd gets for one native graph, one build per switch setting.
 
-``compile_graph`` runs the DDP rewrite, then the executor
-(``executor.build``), adds a ``GraphRecord`` and returns a ``CompiledGraph``.
+``compile_graph`` returns a ``CompiledGraph``. It keeps the graph exactly as
+aot_autograd gave it and never changes it: every build starts from that graph
+and works on its own copy (``prepare_graph``: the DDP rewrite, then the
+executor, ``executor.build``). Nothing is deep-copied: aot_autograd's graphs
+can hold tensor constants that are fake or meta tensors, and copying those
+under the fake mode fails (issue 11).
 
-A ``CompiledGraph`` is boxed (it takes the argument list itself). Each call
-compares the current switches with the ones its code was built under; when
-they differ it builds again, lazily, from the graph it kept (before any
-rewrite), so code built under one setting never runs under another. Builds
-are cached per ``config.cache_key()``, so flipping a switch back reuses the
-earlier build.
+A ``CompiledGraph`` is boxed (it takes the argument list itself). Builds live
+in a ``builds.BuildsPerSetting``: the build for the switches in force is made
+on first use (at compile time for the settings then in force, lazily for
+others) and reused whenever those settings come back, so code built under one
+setting never runs under another.
 """
 from __future__ import annotations
 
 import copy
 import time
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
-from .. import config, ddp, report
+from .. import builds, config, ddp, report
 from . import compat, executor
 
 
@@ -29,21 +32,31 @@ def _device_of(example_inputs) -> str:
     return "cpu"
 
 
+def graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph that shares its attributes.
+
+    Passes rewrite the copy; the tensors ``gm`` holds (constants, possibly fake)
+    are shared, not copied.
+    """
+    # ``Graph.__deepcopy__`` copies nodes and their ``meta`` dicts shallowly:
+    # the values in ``meta`` (fake tensors) are shared, not copied.
+    copied = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    copied.meta.update(gm.meta)
+    return copied
+
+
 class CompiledGraph:
-    """Boxed callable for one graph; rebuilds when ``config.cache_key()`` changes."""
+    """Boxed callable for one graph; runs the build for the current switches."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, ctx) -> None:
         # An instance attribute: dynamo's ``disable`` wrapper copies the
         # instance ``__dict__`` onto the function it returns, not class attributes.
         self._boxed_call = True
         self.ctx = ctx
-        self._pristine = copy.deepcopy(gm)  # rebuilds start from the graph as aot_autograd gave it
+        self._graph = gm  # as aot_autograd gave it; builds never change it
         self._example_inputs = list(example_inputs)
         self._tracing_context = compat.current_tracing_context()
         self._donated_indices = compat.bw_donated_indices() if ctx.kind == "backward" else None
-        self._builds: Dict[tuple, executor.Built] = {}
-        self._settings: Optional[config.Settings] = None
-        self._current: Optional[executor.Built] = None
         self.record = report.GraphRecord(
             graph_id=ctx.graph_id,
             kind=ctx.kind,
@@ -51,20 +64,31 @@ class CompiledGraph:
             path="native",
             num_inputs=len(example_inputs),
         )
-        self._switch_to(config.current(), gm)
-        if ctx.kind == "backward" and config.current().native_compiler == "aten":
-            # Our ATen backward checks retain_graph on every call, so aot_autograd's
-            # blanket refusal of retain_graph after donation does not apply.
+        self._builds = builds.BuildsPerSetting(self._build)
+        self._current: Optional[executor.Built] = None
+        self._current_build()  # for the settings in force: built now, inside aot_autograd
+        if ctx.kind == "backward":
+            # Both executors decide on every call whether saved buffers may be
+            # overwritten (never under retain_graph/create_graph), so
+            # aot_autograd's blanket refusal of retain_graph after donation does
+            # not apply to our graphs.
             compat.lift_aot_donation_check()
         report.add(self.record)
 
     @property
     def built(self) -> executor.Built:
         """The build that runs under the current switches (building it if needed)."""
-        settings = config.current()
-        if settings is not self._settings:
-            self._switch_to(settings, None)
-        return self._current
+        return self._current_build()
+
+    def _current_build(self) -> executor.Built:
+        built = self._builds.current()
+        if built is not self._current:
+            self._current = built
+            self.record.saved_freed_early = built.saved_freed_early
+            self.record.buffers_reused = built.buffers_reused
+            self.record.bucket_grads = built.bucket_grads
+            self.record.bucket_bytes = built.bucket_bytes
+        return built
 
     @property
     def source(self) -> Optional[str]:
@@ -72,33 +96,22 @@ class CompiledGraph:
         return self.built.source
 
     def __call__(self, args: list):
-        settings = config.current()
-        if settings is not self._settings:
-            self._switch_to(settings, None)
-        return self._current.run(args)
+        return self.built.run(args)
 
-    def _switch_to(self, settings: config.Settings, gm: Optional[torch.fx.GraphModule]) -> None:
-        key = config.cache_key()
-        if key not in self._builds:
-            self._builds[key] = self._build(settings, gm)
-        self._settings = settings
-        self._current = self._builds[key]
-        self.record.saved_freed_early = self._current.saved_freed_early
-        self.record.buffers_reused = self._current.buffers_reused
-
-    def _build(self, settings: config.Settings, gm) -> executor.Built:
+    def _build(self, settings: config.Settings) -> executor.Built:
         started = time.perf_counter()
-        if gm is None:
-            gm = copy.deepcopy(self._pristine)
         # A lazy rebuild runs outside aot_autograd: re-enter its tracing context.
         outside = compat.current_tracing_context() is None
         with compat.tracing(self._tracing_context if outside else None):
-            gm, record_fields = ddp.prepare(gm, self._example_inputs, self.ctx)
-            built = executor.build(
-                gm, self._example_inputs, self.ctx, settings, self._donated_indices
+            captured = self.ctx.captured
+            prepared = ddp.prepare(
+                graph_copy(self._graph), getattr(captured, "ddp", None), self.ctx, settings
             )
-        for field, value in (record_fields or {}).items():
-            setattr(self.record, field, value)
+            built = executor.build(
+                prepared.gm, self._example_inputs, self.ctx, settings, self._donated_indices
+            )
+        built.bucket_grads = prepared.bucket_grads
+        built.bucket_bytes = prepared.bucket_bytes
         self.record.compile_seconds += time.perf_counter() - started
         return built
 

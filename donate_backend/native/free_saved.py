@@ -44,12 +44,13 @@ class FreeingProgram:
     buffers_reused: int
 
     def __call__(self, args: list):
-        if self.reusing is not None and _may_reuse_saved_buffers():
+        if self.reusing is not None and may_reuse_saved_buffers():
             return self.reusing(args)
         return self.freeing(args)
 
 
-def _may_reuse_saved_buffers() -> bool:
+def may_reuse_saved_buffers() -> bool:
+    """Whether the running backward may overwrite its saved tensors (decided per call)."""
     return compat.keep_graph() is False and not torch.is_grad_enabled()
 
 

@@ -1,0 +1,140 @@
+"""Real models, CI-sized: HF transformers from tiny configs and torchvision, random weights.
+
+Shared by tests/test_native_real_models.py, tests/test_ddp_real_models.py and
+bench/backward_memory.py. Everything is built offline from a config (no hub
+download: ``HF_HUB_OFFLINE=1``), with dropout off so that eager and compiled
+runs draw no random numbers and can be compared value for value.
+
+``MODELS`` maps a name to a ``RealModel``: ``build()`` returns a model in
+training mode, ``batch(seed)`` the inputs of one step, ``loss(model, batch)``
+the scalar to differentiate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Dict
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+VOCAB = 96
+SEQ = 16
+BATCH = 2
+
+
+def _tokens(seed: int, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, seq), generator=gen)
+
+
+def _images(seed: int, batch: int = 4) -> dict:
+    # 64 x 64 and 4 images: resnet18's last BatchNorm still sees 16 values per
+    # channel (at 32 x 32 and 2 images it sees 2, and any two compilers differ
+    # by 1e-2 in the loss).
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "x": torch.randn(batch, 3, 64, 64, generator=gen),
+        "y": torch.randint(0, 10, (batch,), generator=gen),
+    }
+
+
+def _lm_batch(seed: int) -> dict:
+    ids = _tokens(seed)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _hf_loss(model, batch) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _image_loss(model, batch) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def gpt2():
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def bert():
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+def llama():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        attention_dropout=0.0,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def t5():
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def resnet18():
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def vit():
+    import torchvision
+
+    return torchvision.models.VisionTransformer(
+        image_size=64, patch_size=16, num_layers=2, num_heads=2, hidden_dim=32,
+        mlp_dim=64, num_classes=10,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RealModel:
+    name: str
+    make: Callable[[], torch.nn.Module]
+    batch: Callable[[int], dict]
+    loss: Callable[[torch.nn.Module, dict], torch.Tensor]
+    package: str  # the package it needs
+
+    def build(self, seed: int = 0) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return self.make().train()
+
+
+MODELS: Dict[str, RealModel] = {
+    "gpt2": RealModel("gpt2", gpt2, _lm_batch, _hf_loss, "transformers"),
+    "bert": RealModel("bert", bert, _lm_batch, _hf_loss, "transformers"),
+    "llama": RealModel("llama", llama, _lm_batch, _hf_loss, "transformers"),
+    "t5": RealModel("t5", t5, _lm_batch, _hf_loss, "transformers"),
+    "resnet18": RealModel("resnet18", resnet18, _images, _image_loss, "torchvision"),
+    "vit": RealModel("vit", vit, _images, _image_loss, "torchvision"),
+}
+
+
+def available(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(MODELS[name].package) is not None
