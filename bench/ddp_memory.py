@@ -115,8 +115,8 @@ def measure(variant: str, width: int, depth: int, batch: int, rank: int) -> dict
     if variant == "donate_xla":
         from donate_backend import ddp as ddp_path
 
-        state = ddp_path.state_for(ddp)
-        aliased = 0 if state is None else state.slot_writes
+        binding = ddp_path.binding_of(ddp)
+        aliased = 0 if binding is None else binding.counts.slot_writes
     return {
         "buckets": bucket_bytes,
         "step_peak": max(peaks),
