@@ -102,3 +102,102 @@ def test_native_path_imports_without_torch_xla():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+# ---- issue 11: the Inductor wiring and the partitioner ----------------------------
+
+
+def test_aten_executor_falls_back_to_the_default_partitioner(monkeypatch):
+    import torch._functorch.partitioners as partitioners
+
+    assert "partition_fn" in compat.aten_aot_options()
+    monkeypatch.delattr(partitioners, "min_cut_rematerialization_partition")
+    assert compat.aten_aot_options() == {}
+
+
+def test_inductor_options_without_its_partition_function_use_min_cut(monkeypatch):
+    import torch._inductor.compile_fx as inductor_compile_fx
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    options = compat.inductor_aot_options()
+    assert options["partition_fn"] is not min_cut_rematerialization_partition  # Inductor's, wrapped
+    monkeypatch.delattr(inductor_compile_fx, "partition_fn")
+    assert compat.inductor_aot_options()["partition_fn"] is min_cut_rematerialization_partition
+
+
+def test_joint_graph_passes_missing_leave_the_graph_alone(monkeypatch):
+    import torch._inductor.compile_fx as inductor_compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda a: (a + 0).relu(), tracing_mode="fake")(torch.randn(4))
+    before = str(gm.graph)
+    monkeypatch.delattr(inductor_compile_fx, "_recursive_joint_graph_passes")
+    assert compat.inductor_graph_passes(gm) is False
+    assert str(gm.graph) == before
+
+
+def test_joint_graph_passes_run_under_the_graphs_fake_mode():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda a: a * torch.rand(a.shape), tracing_mode="fake")(torch.randn(8))
+    assert "aten.rand.default" in str(gm.graph)
+    assert compat.inductor_graph_passes(gm) is True  # needs Inductor's fake mode set
+    # replace_random turned the random op into Inductor's seeded one.
+    assert "aten.rand.default" not in str(gm.graph)
+    assert "inductor_random" in str(gm.graph)
+
+
+def test_donated_indices_set_while_compiling_and_restored(monkeypatch):
+    class Metadata:
+        bw_donated_idxs = [1, 2]
+
+    class Context:
+        fw_metadata = Metadata()
+
+    with compat.donated_indices([5]):
+        pass  # no tracing context: nothing to set, no error
+    monkeypatch.setattr(torch._guards.TracingContext, "try_get", staticmethod(lambda: Context()))
+    with compat.donated_indices([]):
+        assert Context.fw_metadata.bw_donated_idxs == []
+    assert Context.fw_metadata.bw_donated_idxs == [1, 2]
+
+
+def test_outputs_marked_user_visible():
+    gm = torch.fx.symbolic_trace(lambda a, b: (a + 1, None, b * 2))
+    compat.mark_outputs_user_visible(gm)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    assert output.meta["user_visible_output_idxs"] == [0, 2]
+
+
+def test_inductor_decompose_keeps_values_and_drops_ops_inductor_decomposes():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def f(w, x):
+        return (torch.ops.aten.t.default(w) @ x).sum(0)
+
+    w, x = torch.randn(3, 4), torch.randn(3, 5)
+    gm = make_fx(f)(w, x)
+    assert "aten.t.default" in str(gm.graph)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(w), mode.from_tensor(x)]
+    decomposed = compat.inductor_decompose(gm, fake)
+    assert "aten.t.default" not in str(decomposed.graph)
+    torch.testing.assert_close(decomposed(w, x), f(w, x))
+
+
+def test_inductor_options_import_the_lowerings_its_decompositions_need():
+    # Issue 11: resnet18 under Inductor failed with "module 'torch._inductor'
+    # has no attribute 'lowering'" (max_pool2d's decomposition reads it).
+    code = (
+        "import sys; sys.modules['torch_xla'] = None\n"
+        "import torch, torch._inductor.decomposition\n"
+        "assert not hasattr(torch._inductor, 'lowering')\n"
+        "from donate_backend.native import compat\n"
+        "compat.inductor_aot_options()\n"
+        "assert hasattr(torch._inductor, 'lowering')\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")
