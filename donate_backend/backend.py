@@ -47,7 +47,8 @@ class GraphContext:
 
 def graph_device_type(example_inputs: Sequence) -> str:
     """``"xla"`` if any tensor input lives on an XLA device, else ``"native"``."""
-    for value in example_inputs:
+    for value in torch.utils._pytree.tree_leaves(list(example_inputs)):
+        # compiled autograd passes its tensors in a list
         if isinstance(value, torch.Tensor) and value.device.type == "xla":
             return "xla"
     return "native"
