@@ -14,6 +14,10 @@ What eager DDP itself refuses is never drawn: a synced ``inputs=`` subset is
 always last (eager DDP refuses the next forward), never includes the last
 weight (whose bucket would then be all-reduced with nobody waiting for it),
 and is not used with ``find_unused_parameters=True`` (eager DDP hangs there).
+After ``autograd.grad`` on a synced forward DDP still expects that forward's
+gradient hooks (none fired), so a backward that fires only some of them (an
+``inputs=`` subset, even under ``no_sync``) makes eager DDP refuse the next
+forward: the step after ``autograd.grad`` is always a synced training step.
 
 ``DONATE_XLA_DDP_SEQUENCES=n`` runs n sequences per module kind and world
 size instead of the CI-sized default.
@@ -52,6 +56,8 @@ def random_program(seed: int, find_unused: bool, length: int = LENGTH) -> list:
     program = []
     for _ in range(length):
         kind = rng.choice(kinds)
+        if program and program[-1]["kind"] == "grad_input":
+            kind = "train"
         if kind in ("train", "train_unused"):
             step = dict(kind="train", set_to_none=rng.random() < 0.5)
             if kind == "train_unused":
@@ -61,7 +67,7 @@ def random_program(seed: int, find_unused: bool, length: int = LENGTH) -> list:
         else:
             step = dict(kind=kind)
         program.append(step)
-    if not find_unused and rng.random() < 0.5:
+    if not find_unused and program[-1]["kind"] != "grad_input" and rng.random() < 0.5:
         allowed = [i for i in range(NUM_PARAMS) if i != LAST_WEIGHT]
         program.append(dict(kind="subset", subset=_subset(rng, allowed)))
     return program
@@ -92,6 +98,9 @@ def test_random_programs_are_what_eager_ddp_accepts():
             subsets = [i for i, s in enumerate(program) if s["kind"] == "subset"]
             assert subsets in ([], [len(program) - 1])
             assert not (find_unused and subsets)
+            for before, after in zip(program, program[1:]):
+                if before["kind"] == "grad_input":
+                    assert after["kind"] == "train"
             for step in program:
                 if step["kind"] == "subset":
                     assert LAST_WEIGHT not in step["subset"]
