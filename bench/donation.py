@@ -20,6 +20,11 @@ Also reported: state buffers reused per step (parameters and optimizer-state
 tensors whose new device address is one of the old ones; buffer-donor semantics
 let XLA give a parameter the old buffer of a same-shaped momentum, so sets are
 compared) and the median step time (from the glibc runs).
+Rows: donate_xla (separate forward, backward and optimizer executables),
+donate_xla_stitch (DONATE_XLA_STITCH=1: they run as one lazy whole-step graph),
+donate_xla_budget (DONATE_XLA_ACTIVATION_BUDGET=0.1: recompute instead of saving
+most activations), openxla, openxla with every state buffer flagged for donation
+by hand, and lazy (plain torch_xla: no torch.compile, torch_xla.sync() per step).
 The floor is what a step must hold at its peak however it is compiled: the
 gradients plus the activations saved for backward, measured as the bytes of
 donate_xla's backward inputs that are neither parameters nor incoming
@@ -35,7 +40,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-BACKENDS = ("donate_xla", "openxla", "openxla_flagged")
+BACKENDS = ("donate_xla", "donate_xla_stitch", "donate_xla_budget", "openxla", "openxla_flagged", "lazy")
+# donate_xla variants: the switches they run under (DONATE_XLA_STITCH, DONATE_XLA_ACTIVATION_BUDGET)
+VARIANTS = {"donate_xla_stitch": {"DONATE_XLA_STITCH": "1"}, "donate_xla_budget": {"DONATE_XLA_ACTIVATION_BUDGET": "0.1"}}
 ALLOCATORS = {"glibc": {}, "live": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 FIGURE = {"glibc": "peak_growth", "live": "transient"}  # the growth each setting reports
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
@@ -69,7 +76,8 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    import donate_backend  # noqa: F401
+    os.environ.update(VARIANTS.get(backend, {}))  # read when donate_backend is imported
+    import donate_backend
     from xla_common import RssSampler, build, current_rss, median, state_tensors
 
     XLAC = torch_xla._XLAC
@@ -85,7 +93,10 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
                 torch.ops.xla.dynamo_set_buffer_donor_(t, True)
             return plain_step(x, y)
 
-    compiled = torch.compile(step, backend="openxla" if backend.startswith("openxla") else backend)
+    if backend == "lazy":  # plain torch_xla: one lazy graph per step, traced again every step
+        compiled = step
+    else:
+        compiled = torch.compile(step, backend="openxla" if backend.startswith("openxla") else "donate_xla")
 
     def run_step():
         loss = compiled(x, y)
@@ -117,7 +128,7 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
         reused=reused,
         step_s=median(times),
         grad_bytes=grad_bytes,
-        saved_bytes=saved_activations_of_compiled_backwards() if backend == "donate_xla" else None,
+        saved_bytes=saved_activations_of_compiled_backwards() if backend.startswith("donate_xla") else None,
         rss=[(t, r - sampler.trough) for t, r in sampler.samples[::4]],
     )
 
@@ -176,7 +187,7 @@ def main() -> None:
 
     parser = bench_arguments(__doc__.splitlines()[0])
     parser.add_argument("--plot", default=os.path.join(DOCS, "donation_rss.png"))
-    parser.set_defaults(repeats=5)  # glibc RSS growth of one run is bimodal; 5 give a steadier median
+    parser.set_defaults(repeats=3)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker, args.steps)))

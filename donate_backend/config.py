@@ -23,12 +23,19 @@ class Settings:
     bucket_view: bool = True  # DONATE_XLA_BUCKET_VIEW
     debug: bool = False  # DONATE_XLA_DEBUG
     native_compiler: str = "aten"  # DONATE_XLA_NATIVE_COMPILER
+    stitch: bool = False  # DONATE_XLA_STITCH: XLA graphs run back to back as one executable
+    activation_budget: float = 1.0  # DONATE_XLA_ACTIVATION_BUDGET: share of activations saved
 
     def __post_init__(self) -> None:
         if self.native_compiler not in _NATIVE_COMPILERS:
             raise ValueError(
                 f"donate_xla: native_compiler must be one of {_NATIVE_COMPILERS}, "
                 f"got {self.native_compiler!r} (set DONATE_XLA_NATIVE_COMPILER)"
+            )
+        if not 0.0 < self.activation_budget <= 1.0:
+            raise ValueError(
+                f"donate_xla: activation_budget must be in (0, 1], got {self.activation_budget!r} "
+                "(set DONATE_XLA_ACTIVATION_BUDGET, e.g. 0.5 to save about half the activations)"
             )
 
 
@@ -49,11 +56,20 @@ def settings_from_env(environ: Mapping[str, str]) -> Settings:
         ("free_saved", "DONATE_XLA_FREE_SAVED"),
         ("bucket_view", "DONATE_XLA_BUCKET_VIEW"),
         ("debug", "DONATE_XLA_DEBUG"),
+        ("stitch", "DONATE_XLA_STITCH"),
     ):
         if var in environ:
             kwargs[field] = _parse_bool(var, environ[var])
     if "DONATE_XLA_NATIVE_COMPILER" in environ:
         kwargs["native_compiler"] = environ["DONATE_XLA_NATIVE_COMPILER"].strip().lower()
+    if "DONATE_XLA_ACTIVATION_BUDGET" in environ:
+        raw = environ["DONATE_XLA_ACTIVATION_BUDGET"]
+        try:
+            kwargs["activation_budget"] = float(raw)
+        except ValueError:
+            raise ValueError(
+                f"donate_xla: DONATE_XLA_ACTIVATION_BUDGET={raw!r} is not a number; use e.g. 0.5"
+            ) from None
     return Settings(**kwargs)
 
 

@@ -58,6 +58,8 @@ class GraphRecord:
     host_input_bytes: int = 0  # XLA path: host (CPU) tensors uploaded with the inputs, per call
     input_shapes: Optional[tuple] = None  # XLA path, dynamic shapes: the signature compiled
     fallback_ops: tuple = ()  # XLA path: ops that run on the CPU between the graph's XLA segments
+    stitched: bool = False  # XLA path: runs inside a lazy whole-step graph (DONATE_XLA_STITCH)
+    saved_bytes: Optional[int] = None  # forward graphs: bytes of activations saved for backward
     # XLA path: the lowered graph (``xla.lower.LoweredGraph``); ``lowered.traced`` is
     # the traced stage. Each prints itself with ``as_text()``.
     lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -109,6 +111,10 @@ def format_record(r: GraphRecord) -> str:
         lines.append(f"  constants uploaded once: {r.constants_uploaded}")
     if r.fallback_ops:
         lines.append(f"  split into XLA segments around ops run on the CPU: {', '.join(r.fallback_ops)}")
+    if r.saved_bytes is not None:
+        lines.append(f"  activations saved for backward: {_mib(r.saved_bytes)}")
+    if r.stitched:
+        lines.append("  stitched: runs inside the lazy whole-step graph; torch_xla's sync donates")
     if r.host_input_bytes:
         lines.append(f"  host tensors uploaded per call: {r.host_input_bytes} B")
     if r.input_shapes is not None:

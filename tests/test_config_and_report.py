@@ -8,6 +8,16 @@ def test_defaults_are_on():
     s = config.settings_from_env({})
     assert (s.donation, s.free_saved, s.bucket_view, s.debug) == (True, True, True, False)
     assert s.native_compiler == "aten"
+    assert (s.stitch, s.activation_budget) == (False, 1.0)
+
+
+def test_memory_switches_parse_and_validate():
+    s = config.settings_from_env({"DONATE_XLA_STITCH": "1", "DONATE_XLA_ACTIVATION_BUDGET": "0.25"})
+    assert (s.stitch, s.activation_budget) == (True, 0.25)
+    with pytest.raises(ValueError, match="DONATE_XLA_ACTIVATION_BUDGET='half' is not a number"):
+        config.settings_from_env({"DONATE_XLA_ACTIVATION_BUDGET": "half"})
+    with pytest.raises(ValueError, match=r"activation_budget must be in \(0, 1\], got 1.5"):
+        config.settings_from_env({"DONATE_XLA_ACTIVATION_BUDGET": "1.5"})
 
 
 def test_env_parsing():

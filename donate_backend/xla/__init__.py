@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Optional
 
+from .. import config
 from ..analysis.aliasing import overlapping_inputs_written
 from ..analysis.mutation import donation_requests
 from ..errors import UnsupportedGraphError
@@ -30,7 +32,23 @@ def aot_options() -> dict:
             "transposed weights for backward (more memory, same results)"
         )
         return {}
-    return {"partition_fn": min_cut_rematerialization_partition}
+    return {"partition_fn": functools.partial(_partition, min_cut_rematerialization_partition)}
+
+
+def _partition(min_cut, *args, **kwargs):
+    """Min-cut under the activation budget in force (``DONATE_XLA_ACTIVATION_BUDGET``).
+
+    Below 1.0, aot_autograd's memory-budget partitioning saves only that share
+    of the activations (by its own estimate) and recomputes the rest in the
+    backward: less memory held from forward to backward, more compute.
+    """
+    budget = config.current().activation_budget
+    if budget >= 1.0:
+        return min_cut(*args, **kwargs)
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(activation_memory_budget=budget):
+        return min_cut(*args, **kwargs)
 
 
 def check_dynamo_graph(gm, example_inputs, graph_id: int) -> None:

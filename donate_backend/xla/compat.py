@@ -221,6 +221,36 @@ def warm_up_cache(tensors: Sequence[torch.Tensor]) -> None:
     _required("_xla_warm_up_cache")(list(tensors), [])
 
 
+def computation(tensors: Sequence[torch.Tensor], name: str) -> tuple:
+    """(the HLO computing ``tensors`` as a computation lazy IR can call
+    (``user_computation``), the (shape, dtype) of each of its parameters)."""
+    import torch_xla.core.xla_builder as xla_builder
+
+    lowering = _required("lowering")
+    context = lowering.LoweringContext("donate_xla")
+    context.build(list(tensors))
+    by_id = context.device_parameter_id_tensor_mapping()
+    signature = [(tuple(by_id[k].shape), by_id[k].dtype) for k in sorted(by_id)]
+    from_proto = getattr(xla_builder, "computation_from_module_proto", None)
+    if from_proto is None:
+        raise MissingXlaApiError(
+            "donate_xla: torch_xla.core.xla_builder has no computation_from_module_proto, which "
+            f"DONATE_XLA_STITCH needs; donate_xla is built for {BUILT_FOR}."
+        )
+    return from_proto(name, context.hlo()), signature
+
+
+def user_computation(name: str, inputs: list, computation) -> list:
+    """Lazy tensors for the results of calling ``computation`` on ``inputs``: IR only,
+    nothing runs until something syncs them."""
+    return list(_required("_xla_user_computation")(name, inputs, computation))
+
+
+def sync_live_tensors_async(device: torch.device) -> None:
+    """Schedule every live tensor's pending IR as one execution; do not wait."""
+    _required("_xla_sync_live_tensors")(str(device), [], False)
+
+
 def hlo_text(tensors: Sequence[torch.Tensor]) -> Optional[str]:
     printer = _optional("_get_xla_tensors_hlo")
     return printer(list(tensors)) if printer is not None else None

@@ -21,10 +21,25 @@ from ..builds import BuildsPerSetting
 from . import compat, fallback, host, metrics
 from . import spmd
 from .lower import LoweredGraph, input_shardings, lower, sharding_signature
-from .runtime import PerSignatureExecutable, XlaExecutable
+from .runtime import PerSignatureExecutable, StitchedExecutable, XlaExecutable
 from .trace import check_inputs, host_input_bytes, output_nodes
 
 _warned_unusable: set[str] = set()
+
+
+def saved_bytes(gm, ctx) -> Optional[int]:
+    """A forward graph's bytes saved for backward (outputs past the user's); else None."""
+    num_user_outputs = _num_user_outputs(ctx)
+    if num_user_outputs is None:
+        return None
+    total = 0
+    for node in output_nodes(gm)[num_user_outputs:]:
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            if is_symbolic([val]):
+                return None
+            total += val.numel() * val.element_size()
+    return total
 
 
 def _num_user_outputs(ctx) -> Optional[int]:
@@ -181,8 +196,10 @@ def compile_graph(gm, example_inputs, ctx):
         examples = concrete_examples(example_inputs, args) if symbolic else example_inputs
         real_inputs = device_args if compat.is_spmd() else None
         choice = choose_donors(gm, examples, ctx, roles)
-        active = choice.donors if settings.donation else []
-        requested = choice.requested if settings.donation else []
+        stitch = settings.stitch and real_inputs is None and not symbolic
+        # stitched, torch_xla's sync donates the buffers of the tensors a step updates
+        active = choice.donors if settings.donation and not stitch else []
+        requested = choice.requested if settings.donation and not stitch else []
 
         pinned = None
         if real_inputs is not None and ctx.kind == "forward":
@@ -199,6 +216,7 @@ def compile_graph(gm, example_inputs, ctx):
                 real_inputs=call_args if real_inputs is not None else None,
                 output_shardings=pinned,
                 host_values=on_host,
+                stitch=stitch,
             )
 
         start, before = time.perf_counter(), metrics.transfer_snapshot()
@@ -223,11 +241,15 @@ def compile_graph(gm, example_inputs, ctx):
                 ),
                 excluded=list(choice.exclusions),
                 donation_enabled=settings.donation,
+                stitched=stitch,
+                saved_bytes=saved_bytes(gm, ctx),
                 host_input_bytes=host_input_bytes(examples),
                 input_shapes=tuple(tuple(t.shape) for t in examples if isinstance(t, torch.Tensor)) if symbolic else None,
                 lowered=lowered,
             )
         )
+        if stitch:
+            return StitchedExecutable(ctx.name, lowered, host_values=on_host)
         return XlaExecutable(
             ctx.name, lowered, relower, tags_untrusted=real_inputs is not None, host_values=on_host
         )

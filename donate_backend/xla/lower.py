@@ -32,7 +32,7 @@ import torch_xla
 from .. import config
 from ..errors import DonateXlaError, UnsupportedGraphError
 from . import compat, metrics, spmd
-from .plan import HloParam, OutputSlot, ResultSpec, describe, plan_parameters, plan_results
+from .plan import HloParam, LoweringMismatchError, OutputSlot, ResultSpec, describe, plan_parameters, plan_results
 from .trace import TracedGraph, check_inputs, input_specs, meta_device, output_nodes, traced_on_placeholders
 
 log = logging.getLogger("donate_xla")
@@ -56,6 +56,9 @@ class LoweredGraph:
     transfers: Optional[metrics.TransferSnapshot] = None
     hlo_text: Optional[str] = None
     aliased: int = 0  # InputOutputAliasCount torch_xla recorded when compiling
+    # stitched (DONATE_XLA_STITCH): the graph as an XLA computation that lazy IR calls,
+    # not an executable of its own (see runtime.StitchedExecutable)
+    computation: object = None
 
     def as_text(self) -> str:
         head = f"{self.graph_name}: lowered"
@@ -77,6 +80,7 @@ def lower(
     output_shardings: Optional[dict] = None,
     requested_donors: Sequence[int] = (),
     host_values=None,
+    stitch: bool = False,
 ) -> LoweredGraph:
     """Trace ``gm`` on placeholders, plan its results and parameters, compile it.
 
@@ -87,7 +91,8 @@ def lower(
     it: their buffers are invalid after the call). ``output_shardings`` pins the sharding of graph outputs by position,
     ``{position: (shape, OpSharding)}``, where the shape matches (a backward's
     gradients: see ``spmd.py``). ``host_values`` (``host.HostPart``): write-backs and
-    outputs computed on the host instead.
+    outputs computed on the host instead. ``stitch``: build the XLA computation
+    (for lazy IR to call) instead of compiling an executable.
 
     A failure is raised as ``UnsupportedGraphError`` with the original
     exception chained; its traceback's frames are cleared first, so it keeps
@@ -106,7 +111,7 @@ def lower(
     try:
         lowered = _lower_live(
             gm, example_inputs, donors, graph_name, traced, keep_hlo_text, real_inputs, output_shardings or {},
-            written_donors, host_values,
+            written_donors, host_values, stitch,
         )
     except Exception as exc:  # noqa: BLE001 - re-raised with the graph's name
         raise _lowering_error(exc, traced) from _without_frames(exc)
@@ -116,7 +121,7 @@ def lower(
 
 def _lower_live(
     gm, example_inputs, donors, graph_name, traced, keep_hlo_text, real_inputs, output_shardings, written_donors,
-    host_values,
+    host_values, stitch,
 ) -> LoweredGraph:
     to_host = [(meta_device(n) or torch.device("xla")).type == "cpu" for n in output_nodes(gm)]
     shardings = input_shardings(real_inputs) if real_inputs is not None else {}
@@ -147,6 +152,12 @@ def _lower_live(
             params = plan_parameters(plan.tensors, live, example_inputs, graph_name)
             graph_hash = compat.graph_hash(plan.tensors)
             hlo = compat.hlo_text(plan.tensors) if keep_hlo_text or config.current().debug else None
+            if stitch:
+                computation = _computation(plan.tensors, params, graph_name)
+                return LoweredGraph(
+                    graph_name, graph_hash, params, tuple(plan.specs), plan.writebacks, plan.outputs,
+                    donors, traced, live.constants_uploaded, None, hlo, 0, computation,
+                )
             aliased = _compile_into_cache(plan.tensors, graph_hash)
             return LoweredGraph(
                 graph_name, graph_hash, params, tuple(plan.specs), plan.writebacks, plan.outputs,
@@ -154,6 +165,17 @@ def _lower_live(
             )
         finally:
             plan.tensors.clear()
+
+
+def _computation(results: list, params: tuple, graph_name: str):
+    """The graph as a callable XLA computation, its parameters checked against the plan's."""
+    computation, signature = compat.computation(results, f"donate_xla::{graph_name.replace(' ', '_')}")
+    if signature != [(p.shape, p.dtype) for p in params]:
+        raise LoweringMismatchError(
+            f"donate_xla: {graph_name}: the stitched computation's parameters are not the "
+            "planned ones; please report this with the graph (DONATE_XLA_DEBUG=1 writes it)."
+        )
+    return computation
 
 
 def _without_frames(exc: BaseException) -> BaseException:

@@ -387,3 +387,66 @@ class PerSignatureExecutable:
             compat.sync([a for a in device_args if isinstance(a, torch.Tensor)], wait=False)
             executable = self.by_signature[signature] = self._make(args, device_args)
         return executable.run(args, device_args)
+
+
+class StitchedExecutable:
+    """``DONATE_XLA_STITCH=1``: a graph that does not run on its own.
+
+    Each call adds a lazy-IR node that calls the graph's XLA computation
+    (``user_computation``) and returns lazy tensors; write-backs are lazy
+    too. Graphs called back to back (forward, backward, optimizer) so form one
+    lazy graph, which XLA compiles once (its computation cache) and runs as a
+    single executable: activations and gradients are temporaries inside it,
+    freed as they are consumed, as in torch_xla's whole-step lazy mode, while
+    nothing is traced op by op again. torch_xla's sync aliases the buffers of
+    updated tensors (parameters, optimizer state), so they are still donated.
+
+    The lazy graph runs when something reads a result, at ``torch_xla.sync()``,
+    or when this graph is called again while its previous call has not run:
+    that starts every pending graph as one execution (without waiting), so the
+    lazy graph stays one training step long.
+    """
+
+    _boxed_call = True
+
+    def __init__(self, graph_name: str, lowered: LoweredGraph, host_values=None):
+        self.graph_name = graph_name
+        self.lowered = lowered
+        self.last_call = lowered
+        self._host_values = host_values
+        self._opname = f"donate_xla::{graph_name.replace(' ', '_')}"
+        self.device = torch_xla.device()
+        self._last_result: Optional[torch.Tensor] = None  # one result of the previous call
+        self.calls_started = 0  # calls that started the pending lazy graph
+
+    def __call__(self, args: list):
+        return self.run(list(args), None)
+
+    def run(self, args: list, device_args: Optional[list]):
+        lowered = self.lowered
+        if device_args is None:
+            device_args = [
+                a.to(self.device) if isinstance(a, torch.Tensor) and a.device.type != "xla" else a for a in args
+            ]
+        self._start_previous_step()
+        results = []
+        if lowered.graph_hash is not None:
+            values = XlaExecutable._param_values(self, lowered, device_args)
+            results = compat.user_computation(self._opname, values, lowered.computation)
+            self._last_result = results[-1]
+        on_host = self._host_values(args) if self._host_values is not None else ()
+        XlaExecutable._write_back(args, lowered, results)
+        if self._host_values is not None:
+            with torch.no_grad():
+                for input_index, k in self._host_values.writebacks:
+                    args[input_index].copy_(on_host[k])
+        return [
+            on_host[slot.index] if slot.kind == "host" else XlaExecutable._output(slot, args, results)
+            for slot in lowered.outputs
+        ]
+
+    def _start_previous_step(self) -> None:
+        previous, self._last_result = self._last_result, None
+        if previous is not None and compat.need_materialization([previous])[0]:
+            compat.sync_live_tensors_async(self.device)
+            self.calls_started += 1
