@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(
 
 NUM_PARAMS = 8  # the MLP of tests/ddp_workers.py: 4 x (weight, bias)
 LAST_WEIGHT = 6  # alone in DDP's first (rebuilt) bucket
-SEQUENCES = int(os.environ.get("DONATE_XLA_DDP_SEQUENCES", "1"))
+SEQUENCES = int(os.environ.get("DONATE_XLA_DDP_SEQUENCES", "3"))
 LENGTH = 8
 
 
