@@ -112,7 +112,7 @@ def format_record(r: GraphRecord) -> str:
     if r.fallback_ops:
         lines.append(f"  split into XLA segments around ops run on the CPU: {', '.join(r.fallback_ops)}")
     if r.saved_bytes is not None:
-        lines.append(f"  activations saved for backward: {_mib(r.saved_bytes)}")
+        lines.append(f"  saved for backward: {r.saved_bytes} B")
     if r.stitched:
         lines.append("  stitched: runs inside the lazy whole-step graph; torch_xla's sync donates")
     if r.host_input_bytes:

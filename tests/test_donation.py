@@ -446,6 +446,7 @@ def test_report_snapshot_of_a_small_sgd_step(xla_device):
     assert text == textwrap.dedent(
         """\
         graph N forward [xla, xla] inputs=3 compile=Ts transfers=0 (0 B)
+          saved for backward: 48 B
           donation on: 0 inputs, 0.00 MiB
         graph N backward [xla, xla] inputs=2 compile=Ts transfers=0 (0 B)
           donation on: 0 inputs, 0.00 MiB

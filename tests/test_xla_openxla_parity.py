@@ -167,3 +167,23 @@ def test_a_requested_donation_of_a_tensor_the_graph_keeps_is_excluded():
     (record,) = donate_backend.reports()
     assert not record.donated
     assert [e.index for e in record.excluded] == [0]
+
+
+def test_a_buffer_flagged_for_donation_before_the_call_is_donated():
+    """torch_xla's per-buffer flag (``_set_buffer_donation``), set eagerly, as openxla honours it."""
+    import torch_xla.core.xla_model as xm
+
+    device = torch_xla.device()
+    f = torch.compile(lambda t: t + 1, backend="donate_xla")
+    kept = torch.randn(5, 5)
+    torch.testing.assert_close(f(kept.to(device)).cpu(), kept + 1)  # compiled; nothing flagged
+    x = torch.randn(5, 5)
+    xd = x.to(device)
+    assert torch_xla._XLAC._set_buffer_donation(xd, True)
+    torch.testing.assert_close(f(xd).cpu(), x + 1)
+    xm.wait_device_ops()
+    assert "Data Handle: Deleted" in torch_xla._XLAC._get_xla_tensor_debug_info(xd)
+    y = torch.randn(5, 5)
+    yd = y.to(device)
+    torch.testing.assert_close(f(yd).cpu(), y + 1)
+    torch.testing.assert_close(yd.cpu(), y)  # not flagged: still readable

@@ -130,6 +130,13 @@ def is_placeholder(t: torch.Tensor) -> bool:
     return bool(_required("_is_placecholder")(t))  # sic: torch_xla's spelling
 
 
+def buffer_donation_count() -> int:
+    """How many times torch_xla set a buffer's donation flag (its XlaSetBufferDonation counter)."""
+    import torch_xla.debug.metrics as met
+
+    return int(met.counter_value("XlaSetBufferDonation") or 0)
+
+
 def get_buffer_donation(t: torch.Tensor) -> bool:
     return bool(_required("_get_buffer_donation")(t))
 

@@ -64,6 +64,9 @@ class DonorChoice:
     donors: list  # overwritten inputs to donate (each gets its new value written back)
     requested: list  # inputs the user asked to donate that the graph does not overwrite
     exclusions: list  # report.InputExclusion for every candidate not donated
+    # inputs that could be donated if asked at run time (torch_xla's per-buffer flag,
+    # ``_set_buffer_donation``): not overwritten, and nothing returns or saves them
+    requestable: tuple = ()
 
 
 def _requested_donors(ctx) -> tuple:
@@ -80,18 +83,25 @@ def choose_donors(gm, example_inputs, ctx, roles) -> DonorChoice:
     reaching = aliasing.inputs_reaching_outputs(gm.graph)
     returned = aliasing.inputs_returned_as_is(gm.graph)
     num_user_outputs = _num_user_outputs(ctx)
+
+    def unsafe(i: int, overwritten: bool) -> Optional[str]:
+        if i in host_scalars:
+            return aliasing.HOST_SCALAR
+        if example_inputs[i].dim() == 0:
+            return aliasing.DEVICE_SCALAR
+        if i in shared:
+            return shared[i]
+        if i in reaching:
+            return aliasing.classify_output_use(reaching[i], num_user_outputs)
+        if not overwritten and i in returned:  # its old buffer is an output
+            return aliasing.classify_output_use(returned[i], num_user_outputs)
+        return None
+
     reasons: dict[int, str] = {}
     for i in candidates + requested:
-        if i in host_scalars:
-            reasons[i] = aliasing.HOST_SCALAR
-        elif example_inputs[i].dim() == 0:
-            reasons[i] = aliasing.DEVICE_SCALAR
-        elif i in shared:
-            reasons[i] = shared[i]
-        elif i in reaching:
-            reasons[i] = aliasing.classify_output_use(reaching[i], num_user_outputs)
-        elif i in requested and i in returned:  # its old buffer is an output
-            reasons[i] = aliasing.classify_output_use(returned[i], num_user_outputs)
+        reason = unsafe(i, i in candidates)
+        if reason is not None:
+            reasons[i] = reason
     donors = [i for i in candidates if i not in reasons]
     metas = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in output_nodes(gm)]
     if not is_symbolic(metas):  # with dynamic shapes the output shapes are symbolic: no check
@@ -104,7 +114,11 @@ def choose_donors(gm, example_inputs, ctx, roles) -> DonorChoice:
         for i, reason in sorted(reasons.items())
     ]
     _warn_unusable(ctx.name, exclusions)
-    return DonorChoice(donors, [i for i in requested if i not in reasons], exclusions)
+    requestable = tuple(
+        i for i, t in enumerate(example_inputs)
+        if isinstance(t, torch.Tensor) and i not in candidates and i not in requested and unsafe(i, False) is None
+    )
+    return DonorChoice(donors, [i for i in requested if i not in reasons], exclusions, requestable)
 
 
 def _warn_unusable(graph_name: str, exclusions) -> None:
@@ -209,10 +223,10 @@ def compile_graph(gm, example_inputs, ctx):
 
         on_host = host.host_part(gm, check_inputs(examples, ctx.name))
 
-        def relower(donate: bool, call_args=None) -> LoweredGraph:
+        def relower(donate: bool, call_args=None, flagged=()) -> LoweredGraph:
             return lower(
                 gm, examples, active if donate else [], ctx.name,
-                requested_donors=requested if donate else [],
+                requested_donors=sorted(set(requested) | set(flagged)) if donate else [],
                 real_inputs=call_args if real_inputs is not None else None,
                 output_shardings=pinned,
                 host_values=on_host,
@@ -251,7 +265,8 @@ def compile_graph(gm, example_inputs, ctx):
         if stitch:
             return StitchedExecutable(ctx.name, lowered, host_values=on_host)
         return XlaExecutable(
-            ctx.name, lowered, relower, tags_untrusted=real_inputs is not None, host_values=on_host
+            ctx.name, lowered, relower, tags_untrusted=real_inputs is not None, host_values=on_host,
+            requestable=choice.requestable if settings.donation and real_inputs is None else (),
         )
 
     def build(settings: config.Settings):

@@ -22,14 +22,23 @@ from .trace import has_xla_lowering, unlowerable_equivalent
 
 
 def fallback_nodes(gm: torch.fx.GraphModule) -> list:
-    """The nodes of ``gm`` that have to run on the CPU."""
-    return [
-        n
-        for n in gm.graph.nodes
-        if n.op == "call_function"
-        and isinstance(unlowerable_equivalent(n.target), torch._ops.OpOverload)
-        and not has_xla_lowering(unlowerable_equivalent(n.target))
-    ]
+    """The nodes of ``gm`` that have to run on the CPU: ops with no XLA lowering, and
+    copies of XLA tensors to the host (``t.cpu()`` inside the function)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and (_unlowerable(n) or _copies_to_host(n))]
+
+
+def _unlowerable(node: torch.fx.Node) -> bool:
+    target = unlowerable_equivalent(node.target)
+    return isinstance(target, torch._ops.OpOverload) and not has_xla_lowering(target)
+
+
+def _device(node) -> Optional[str]:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.device.type if isinstance(val, torch.Tensor) else None
+
+
+def _copies_to_host(node: torch.fx.Node) -> bool:
+    return _device(node) == "cpu" and any(_device(a) == "xla" for a in node.all_input_nodes)
 
 
 def partition_ids(gm: torch.fx.GraphModule, fallbacks: list) -> dict:
@@ -66,7 +75,7 @@ def split_at_fallbacks(gm: torch.fx.GraphModule) -> Optional[Segments]:
     top = split_module(gm, None, lambda node: ids[node], keep_original_order=True)
     fallback_ids = {ids[n] for n in fallbacks}
     names = frozenset(f"submod_{k}" for k in fallback_ids)
-    return Segments(top, names, tuple(str(n.target) for n in fallbacks))
+    return Segments(top, names, tuple(str(n.target) for n in fallbacks))  # names: for the report
 
 
 def segment_example_inputs(submodule: torch.fx.GraphModule) -> list:
@@ -75,17 +84,25 @@ def segment_example_inputs(submodule: torch.fx.GraphModule) -> list:
 
 
 def on_cpu(submodule: torch.fx.GraphModule, device: torch.device) -> Callable:
-    """Run ``submodule`` eagerly on the CPU: XLA inputs to the host, results back."""
+    """Run ``submodule`` eagerly on the CPU: XLA inputs to the host, and each result
+    to the device the graph has it on."""
+    output = submodule.graph.output_node().args[0]
+    single = not isinstance(output, (tuple, list))
+    on_device = [_device(v) != "cpu" for v in ([output] if single else output)]
 
     def to_host(value):
         return value.cpu() if isinstance(value, torch.Tensor) and value.device.type == "xla" else value
 
-    def to_device(value):
-        return value.to(device) if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
+    def placed(value, to_xla: bool):
+        if to_xla and isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            return value.to(device)
+        return value
 
     def run(*args):
         out = submodule(*[to_host(a) for a in args])
-        return torch.utils._pytree.tree_map(to_device, out)
+        if single:
+            return placed(out, on_device[0])
+        return type(out)(placed(v, d) for v, d in zip(out, on_device))
 
     return run
 

@@ -168,6 +168,7 @@ class XlaExecutable:
         relower: Callable[[bool, list], LoweredGraph],
         tags_untrusted: bool = False,
         host_values=None,
+        requestable: tuple = (),
     ):
         self.graph_name = graph_name
         self.lowered = lowered
@@ -183,6 +184,10 @@ class XlaExecutable:
         # write-back tags them again.
         self._tags_untrusted = tags_untrusted
         self._host_values = host_values  # host.HostPart: values computed on the host
+        self._requestable = requestable  # inputs donated when their buffer is flagged
+        self._flag_count: Optional[int] = None  # torch_xla's XlaSetBufferDonation at the last look
+        self._with_flagged: dict = {}  # frozenset of flagged inputs -> LoweredGraph
+        self._last_flagged: frozenset = frozenset()
 
     def __call__(self, args: list):
         args = list(args)
@@ -230,9 +235,34 @@ class XlaExecutable:
     def _device_args(self, args: list) -> list:
         return materialized_device_args(args, self.device)
 
+    def _flagged_inputs(self, device_args: list) -> frozenset:
+        """Inputs whose buffers the user flagged for donation (``_set_buffer_donation``).
+
+        Looked at when torch_xla's count of flag changes moved since the last
+        look, or the last look found flags: a program that flags nothing pays one
+        counter read per call.
+        """
+        if not self._requestable:
+            return frozenset()
+        count = compat.buffer_donation_count()
+        if count == self._flag_count and not self._last_flagged:
+            return frozenset()
+        self._flag_count = count
+        self._last_flagged = frozenset(
+            i for i in self._requestable
+            if device_args[i].device.type == "xla" and compat.get_buffer_donation(device_args[i])
+        )
+        return self._last_flagged
+
+    def _variant_with_flagged(self, flagged: frozenset, device_args: list) -> LoweredGraph:
+        if flagged not in self._with_flagged:
+            self._with_flagged[flagged] = self._relower(True, device_args, flagged)
+        return self._with_flagged[flagged]
+
     def _choose_variant(self, args: list, device_args: list) -> LoweredGraph:
         """The donating graph if every donor is safe to donate now, else the plain one."""
-        lowered = self.lowered
+        flagged = self._flagged_inputs(device_args)
+        lowered = self._variant_with_flagged(flagged, device_args) if flagged else self.lowered
         if not lowered.donors:
             return lowered
         donors = [device_args[i] for i in lowered.donors]
