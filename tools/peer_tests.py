@@ -58,9 +58,42 @@ DEFAULT_FILES = (
 )
 BACKENDS = ("openxla", "donate_xla")
 
-# Regressions we know about and accept for now: test id -> reason. A test id is
-# "FILE::Class.method", as printed in the table. Listed regressions do not fail the run.
-EXPECTED: dict[str, str] = {}
+# Tests that pass under openxla and fail under donate_xla by design: test id -> reason. A test
+# id is "FILE::Class.method", as printed in the table. Listed ones do not fail the run; each
+# passes when its openxla-internal assertions are removed (values and gradients are right).
+_COUNTERS = "asserts openxla-internal counters ({}), which donate_xla's own pipeline does not produce"
+EXPECTED: dict[str, str] = {
+    "test_dynamo.py::DynamoCpuFallbackTest.test_fallback_multiple_submodules": _COUNTERS.format(
+        "CompileTime == 2: donate_xla compiles each XLA segment around the CPU op, 3"
+    ),
+    "test_dynamo.py::DynamoInferenceBasicTest.test_simple_model": _COUNTERS.format("DynamoSyncInputExecuteTime"),
+    "test_dynamo.py::DynamoTrainingBasicTest.test_resnet18": _COUNTERS.format("CompileTime <= 3"),
+    "test_dynamo.py::DynamoTrainingOptimizerTest.test_resnet18": _COUNTERS.format("ExecuteTime"),
+    "test_dynamo.py::DynamoErrorMessageTest.test_all_cpu_tensor": (
+        "expects openxla's warning for a graph of CPU tensors only; donate_xla compiles such a "
+        "graph on its native (CPU) path, as intended, without the warning"
+    ),
+    "test_dynamo_aliasing.py::TestDynamoBufferDonationAliasingWithCustomOp.test_manual_buffer_donation":
+        _COUNTERS.format("XlaSetBufferDonation == 2: openxla flags the buffer again on the real tensor"),
+    "test_dynamo_aliasing.py::TestDynamoBufferDonationAliasingWithCustomOp"
+    ".test_manual_buffer_donation_for_non_inplce_op": (
+        "asserts openxla's per-buffer flag after the call and its XlaSetBufferDonation counter; the "
+        "buffer is donated (deleted) and reported as requested, but donate_xla sets no flag on it"
+    ),
+    **{
+        f"test_dynamo_dynamic_shape.py::DynamoDynamicShapeBasicTest.{name}": _COUNTERS.format(
+            "DynamoExtractCompiledGraph"
+        )
+        for name in (
+            "test_dynamic_shape_basic",
+            "test_dynamic_shape_basic_with_mark_dynamic",
+            "test_dynamic_shape_multiple_batchs",
+            "test_dynamic_shape_mix_with_non_dynamic",
+            "test_dynamic_decoder",
+            "test_dynamic_shape_decoder_mark_dynamic",
+        )
+    },
+}
 
 PASS = {"ok", "expected failure"}
 SKIP = {"skipped"}
