@@ -1,35 +1,64 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
+#
+# Two environments:
+# - .venv: the pinned XLA environment (torch 2.9.0, torch_xla 2.9.0, torchvision 0.24.0);
+#   demo, benchmarks and the whole suite run here.
+# - .venv-newest: the newest torch release (no torch_xla, no torchvision until one is
+#   released for it); `make test` runs the suite here too, the XLA tests skip.
+#   Override the release with `make test NEWEST_TORCH=2.x.y NEWEST_TORCHVISION=0.y.z`.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+NEWEST_TORCH ?= 2.15.0
+NEWEST_TORCHVISION ?=
+NEWEST_VENV := .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_STAMP := $(NEWEST_VENV)/.installed-$(NEWEST_TORCH)
 export PJRT_DEVICE ?= CPU
 
-.PHONY: demo test bench fuzz peer-tests clean
+.PHONY: demo test test-xla test-newest bench fuzz peer-tests clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[xla,test,bench]' torchvision==0.24.0
 	touch $(STAMP)
+
+$(NEWEST_STAMP): pyproject.toml
+	rm -rf $(NEWEST_VENV)
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install --quiet --upgrade pip
+	$(NEWEST_PY) -m pip install --quiet -e '.[test,bench]' torch==$(NEWEST_TORCH) \
+		$(if $(NEWEST_TORCHVISION),torchvision==$(NEWEST_TORCHVISION))
+	touch $(NEWEST_STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
-test: $(STAMP)
+test: test-xla test-newest
+
+test-xla: $(STAMP)
 	$(PY) -m pytest -q tests
+
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__, "(no torch_xla)")'
+	$(NEWEST_PY) -m pytest -q tests
 
 # Differential fuzzing of the XLA path against eager PyTorch (about 1 s a scenario).
 FUZZ_COUNT ?= 2000
 fuzz: $(STAMP)
 	$(PY) tests/xla_fuzz.py --count $(FUZZ_COUNT) --out fuzz-results.json
 
-bench: $(STAMP)
+bench: $(STAMP) $(NEWEST_STAMP)
 	$(PY) bench/compile.py
 	$(PY) bench/donation.py
+	$(PY) bench/dispatch.py
+	$(PY) bench/spmd.py
 	$(PY) bench/backward_memory.py
 	$(PY) bench/ddp_memory.py
-	$(PY) bench/spmd.py
+	$(NEWEST_PY) bench/backward_memory.py
+	$(NEWEST_PY) bench/ddp_memory.py
 
 # torch_xla's own dynamo tests (v2.9.0) under openxla and under donate_xla, compared; not part of
 # `make test`. Needs a pytorch/xla git checkout or snapshot (PEER_XLA_SRC) and torchvision 0.24.
@@ -38,4 +67,4 @@ peer-tests: $(STAMP)
 	$(PY) tools/peer_tests.py $(PEER_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) build *.egg-info

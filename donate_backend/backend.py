@@ -27,6 +27,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 
 from .analysis.mutation import dynamo_input_roles
+from .errors import DonateXlaError
 
 _graph_ids = itertools.count()
 
@@ -54,12 +55,33 @@ def graph_device_type(example_inputs: Sequence) -> str:
     return "native"
 
 
-def _path_module(device_type: str):
-    if device_type == "xla":
-        from . import xla as path
-    else:
+def _path_module(device_type: str, graph_id: int, example_inputs: Sequence):
+    if device_type != "xla":
         from . import native as path
+
+        return path
+    try:
+        import torch_xla  # noqa: F401  (the XLA path needs it; the native path does not)
+    except ImportError as error:
+        raise DonateXlaError(_no_torch_xla_message(graph_id, example_inputs)) from error
+    from . import xla as path
+
     return path
+
+
+def _no_torch_xla_message(graph_id: int, example_inputs: Sequence) -> str:
+    leaves = torch.utils._pytree.tree_leaves(list(example_inputs))
+    index, tensor = next(
+        (i, v)
+        for i, v in enumerate(leaves)
+        if isinstance(v, torch.Tensor) and v.device.type == "xla"
+    )
+    return (
+        f"donate_xla: graph {graph_id} has an input on an XLA device (input {index}, "
+        f"shape {tuple(tensor.shape)}, device {tensor.device}), but torch_xla is not installed. "
+        "The XLA path needs the xla extra: pip install 'donate_backend[xla]' "
+        "(torch==2.9.0 and torch_xla==2.9.0). CUDA and CPU tensors need no torch_xla."
+    )
 
 
 def _kind_compiler(
@@ -74,7 +96,7 @@ def _kind_compiler(
 def donate_xla(gm: torch.fx.GraphModule, example_inputs, **_options):
     """Dynamo backend entry point (registered as ``"donate_xla"``)."""
     graph_id = next(_graph_ids)
-    path = _path_module(graph_device_type(example_inputs))
+    path = _path_module(graph_device_type(example_inputs), graph_id, example_inputs)
     path.check_dynamo_graph(gm, example_inputs, graph_id)
     roles = dynamo_input_roles(gm, example_inputs)
     captured = path.capture(gm, example_inputs)  # here: inside dynamo, before aot_autograd

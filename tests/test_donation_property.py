@@ -10,9 +10,9 @@ incompatible size 32", seen once in a full-suite run).
 import pytest
 import torch
 
-from conftest import HAS_TORCH_XLA
+from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
 
-pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -201,3 +201,56 @@ def test_inductor_options_import_the_lowerings_its_decompositions_need():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+# ---- issue 16: the branch each guard takes on the torch running the tests -------------
+# `make test` runs this file on torch 2.9.0 and on the newest release. The tests above
+# remove each API to prove the fallback branch; these prove that the real branch is the
+# one taken, so that a torch which drops or renames an API fails here instead of quietly
+# running the fallback (correct, but without the memory savings).
+
+
+def test_every_native_guard_finds_its_api_on_this_torch():
+    import torch._inductor.compile_fx as inductor_compile_fx
+    from torch._guards import TracingContext
+
+    assert callable(getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None))
+    assert callable(getattr(TracingContext, "try_get", None))
+    assert callable(getattr(inductor_compile_fx, "_recursive_joint_graph_passes", None))
+    assert callable(getattr(inductor_compile_fx, "partition_fn", None))
+    assert "partition_fn" in compat.aten_aot_options()
+
+
+def test_keep_graph_and_donated_indices_are_known_inside_a_real_backward(monkeypatch):
+    seen = []
+    real_call = free_saved.FreeingProgram.__call__
+
+    def spy(self, args):
+        seen.append((compat.keep_graph(), self.reusing is not None))
+        return real_call(self, args)
+
+    monkeypatch.setattr(free_saved.FreeingProgram, "__call__", spy)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    compiled = torch.compile(model, backend="donate_xla")
+    compiled(torch.randn(4, 8)).sum().backward(retain_graph=True)
+    kept, seen[:] = list(seen), []
+    compiled(torch.randn(4, 8)).sum().backward()
+    # The backward's program has a reusing variant (aot_autograd's donated list was read),
+    # and keep_graph answers inside it (never None). (The forward runs a program too.)
+    assert [keep for keep, reusing in kept if reusing] == [True]
+    assert [keep for keep, reusing in seen if reusing] == [False]
+
+
+def test_boxed_call_is_read_only_exactly_on_newer_torch():
+    """torch 2.13 made ``GraphModule._boxed_call`` a read-only property; 2.9 has none.
+    Across the two environments both cases run for real; ``as_boxed`` never sets it."""
+    import inspect
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    read_only = isinstance(inspect.getattr_static(torch.fx.GraphModule, "_boxed_call", None), property)
+    assert read_only == ((major, minor) >= (2, 13))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.compile(model, backend="donate_xla")(x).sum().backward()
+    expected = torch.autograd.grad(model(x).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected)

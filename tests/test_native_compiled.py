@@ -35,7 +35,8 @@ class WithConstants(torch.nn.Module):
 def _grads(model, x, run=None):
     model.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_()
-    (run or model)(x).pow(2).sum().backward()
+    # (not `run or model`: newer torch gives a compiled module a __len__ that raises)
+    (model if run is None else run)(x).pow(2).sum().backward()
     return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
 
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from conftest import HAS_TORCH_XLA
+from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
 
-pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 
 if HAS_TORCH_XLA:
     import torch_xla

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from conftest import HAS_TORCH_XLA
+from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
 
 import xla_fuzz
 
@@ -71,7 +71,7 @@ def test_the_comparison_sees_a_wrong_value():
     assert key in xla_fuzz.difference(scenario, expected, wrong, "perturbed")
 
 
-@pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+@pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 @pytest.mark.parametrize("seed", CI_SEEDS)
 def test_random_training_program_matches_eager(seed):
     outcome = xla_fuzz.check(seed)

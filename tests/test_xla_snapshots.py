@@ -3,14 +3,14 @@ import expecttest
 import pytest
 import torch
 
-from conftest import HAS_TORCH_XLA
+from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
 
 if HAS_TORCH_XLA:
     from donate_backend.xla.lower import lower
     from xla_capture import compiled_graphs, normalize_fx, normalize_hlo
 
 
-@pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+@pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 class TestSnapshots(expecttest.TestCase):
     def test_aot_forward_and_backward_graphs(self):
         import torch_xla

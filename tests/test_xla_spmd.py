@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from conftest import HAS_TORCH_XLA
+from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
 
-pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla")
+pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 
 HERE = os.path.dirname(__file__)
 TOL = dict(rel=1e-4, abs=1e-5)

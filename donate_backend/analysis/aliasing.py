@@ -14,8 +14,6 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .mutation import placeholders
-
 SHARES_STORAGE = "shares storage with input #{other} (tied weights or views of one base)"
 PASSED_TWICE = "the same tensor is passed again as input #{other}"
 SAVED_FOR_BACKWARD = "its old value is saved for backward"
@@ -29,7 +27,8 @@ DEVICE_SCALAR = (
 )
 
 
-def _storage_key(t: torch.Tensor):
+def storage_key(t: torch.Tensor) -> Optional[StorageWeakRef]:
+    """Hashable identity of the storage behind ``t`` (fake tensors too); None without one."""
     try:
         return StorageWeakRef(t.untyped_storage())
     except (RuntimeError, NotImplementedError):
@@ -50,7 +49,7 @@ def shared_storage_partner(example_inputs: Sequence) -> dict[int, str]:
             reasons.setdefault(first, PASSED_TWICE.format(other=i))
             continue
         by_identity[id(t)] = i
-        key = _storage_key(t)
+        key = storage_key(t)
         if key is not None:
             by_storage[key].append(i)
     for group in by_storage.values():
@@ -87,7 +86,7 @@ def inputs_reaching_outputs(graph: torch.fx.Graph) -> dict[int, list[int]]:
     after its ``copy_`` epilogue, so it is the input's new value, and the
     runtime returns the caller's tensor after the write-back.
     """
-    index_of = {node: i for i, node in enumerate(placeholders(graph))}
+    index_of = {node: i for i, node in enumerate(graph.find_nodes(op="placeholder"))}
     root_of: dict[torch.fx.Node, int] = {}
     for node in graph.nodes:
         if node.op == "call_function" and _is_view_op(node) and node.args:
@@ -105,7 +104,7 @@ def inputs_reaching_outputs(graph: torch.fx.Graph) -> dict[int, list[int]]:
 
 def inputs_returned_as_is(graph: torch.fx.Graph) -> dict[int, list[int]]:
     """Map input index -> output positions that are the input's placeholder itself."""
-    index_of = {node: i for i, node in enumerate(placeholders(graph))}
+    index_of = {node: i for i, node in enumerate(graph.find_nodes(op="placeholder"))}
     result: dict[int, list[int]] = collections.defaultdict(list)
     for pos, value in enumerate(output_values(graph)):
         if value in index_of:
@@ -161,10 +160,10 @@ def overlapping_inputs_written(gm: torch.fx.GraphModule) -> list[tuple[int, int]
     in ``meta["example_value"]``, whose storages mirror the real inputs' sharing.
     """
     partners = collections.defaultdict(list)
-    for i, node in enumerate(placeholders(gm.graph)):
+    for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
         t = node.meta.get("example_value")
         if isinstance(t, torch.Tensor):
-            key = _storage_key(t)
+            key = storage_key(t)
             if key is not None:
                 partners[key].append(i)
     shared = {key: group for key, group in partners.items() if len(group) > 1}
@@ -176,6 +175,6 @@ def overlapping_inputs_written(gm: torch.fx.GraphModule) -> list[tuple[int, int]
             continue
         target = node.args[0]
         value = target.meta.get("example_value") if isinstance(target, torch.fx.Node) else None
-        if isinstance(value, torch.Tensor) and _storage_key(value) in shared:
-            written.add(_storage_key(value))
+        if isinstance(value, torch.Tensor) and storage_key(value) in shared:
+            written.add(storage_key(value))
     return [tuple(shared[key][:2]) for key in written]

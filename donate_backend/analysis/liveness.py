@@ -35,7 +35,7 @@ def last_uses(graph: torch.fx.Graph) -> Dict[torch.fx.Node, torch.fx.Node]:
 
 def unused_inputs(graph: torch.fx.Graph) -> List[torch.fx.Node]:
     """Placeholders that no node reads (not even the output)."""
-    return [n for n in graph.nodes if n.op == "placeholder" and not n.users]
+    return [n for n in graph.find_nodes(op="placeholder") if not n.users]
 
 
 def values_dying_at(graph: torch.fx.Graph) -> Dict[torch.fx.Node, List[torch.fx.Node]]:

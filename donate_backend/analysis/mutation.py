@@ -18,13 +18,9 @@ ROLES = ("parameter", "gradient", "optimizer_state", "buffer", "other")
 _COPY_TARGETS = (torch.ops.aten.copy_.default,)
 
 
-def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [n for n in graph.nodes if n.op == "placeholder"]
-
-
 def mutated_input_indices(graph: torch.fx.Graph) -> list[int]:
     """Indices of inputs that the graph overwrites with ``copy_`` (sorted)."""
-    index_of = {node: i for i, node in enumerate(placeholders(graph))}
+    index_of = {node: i for i, node in enumerate(graph.find_nodes(op="placeholder"))}
     mutated = set()
     for node in graph.nodes:
         if node.op != "call_function":
@@ -51,7 +47,7 @@ def donation_requests(gm: torch.fx.GraphModule) -> list[int]:
     offset = len(list(gm.named_parameters(remove_duplicate=False))) + len(
         list(gm.named_buffers(remove_duplicate=False))
     )
-    index_of = {node: offset + i for i, node in enumerate(placeholders(gm.graph))}
+    index_of = {node: offset + i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
     requested = set()
     for node in gm.graph.nodes:
         if node.op != "call_function" or not _is_donation_request(node.target) or not node.args:
@@ -124,7 +120,7 @@ def dynamo_input_roles(gm: torch.fx.GraphModule, example_inputs: Sequence) -> tu
     """
     roles = [input_role(name, True) for name, _ in gm.named_parameters(remove_duplicate=False)]
     roles += [input_role(name, False) for name, _ in gm.named_buffers(remove_duplicate=False)]
-    for node, value in zip(placeholders(gm.graph), example_inputs):
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
         grapharg = node.meta.get("grapharg")
         source = getattr(grapharg, "source", None)
         source_name = _source_name(source)

@@ -213,7 +213,7 @@ def prepare(
         is not None
     ):
         return PreparedGraph(gm, 0, 0)
-    output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    output_node = gm.graph.output_node()
     targets = plan.gradient_outputs(output_node.args[0], info.param_indices)
     if targets is None:
         log_once(

@@ -19,7 +19,7 @@ import torch
 
 def placeholder_tensors(gm: torch.fx.GraphModule, example_inputs: Sequence) -> list:
     """The real tensor behind each placeholder: GraphArg example, else the example input."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = gm.graph.find_nodes(op="placeholder")
     tensors = []
     for position, node in enumerate(placeholders):
         grapharg = node.meta.get("grapharg")

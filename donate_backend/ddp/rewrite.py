@@ -43,7 +43,7 @@ def _mm_producer(grad_node: torch.fx.Node, allowed_users: set):
 
 
 def _last_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    placeholders = graph.find_nodes(op="placeholder")
     return placeholders[-1] if placeholders else next(iter(graph.nodes))
 
 
@@ -64,7 +64,7 @@ def rewrite_backward(gm: torch.fx.GraphModule, targets, binding) -> list:
     (the caller passes its own copy).
     """
     graph = gm.graph
-    output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    output_node = graph.output_node()
     outputs = list(output_node.args[0])
     routed, out_variants = [], 0
     for position, param_index in targets:

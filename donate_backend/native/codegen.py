@@ -125,7 +125,7 @@ def boxed_source(
     names = _variable_names(graph)
     ns = _Namespace()
     dying = liveness.values_dying_at(graph)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    placeholders = graph.find_nodes(op="placeholder")
     lines: List[str] = [f"def {name}(args):"]
     for index, node in enumerate(placeholders):
         if node.users:

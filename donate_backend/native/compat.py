@@ -19,7 +19,6 @@ directly. Every guard has a test that removes the API by monkeypatching
 - ``as_boxed(fn)``: a function marked with ``_boxed_call``. In torch 2.13,
   ``GraphModule._boxed_call`` is read-only, so we never set it on a module;
   we always mark a plain function we own.
-- ``storage_key(tensor)``: a hashable identity of a (fake) tensor's storage.
 - ``donated_indices(indices)``: sets the donated list Inductor reads while it
   compiles one variant (donating or not) of a backward.
 - ``inductor_compile(...)`` / ``inductor_aot_options()`` /
@@ -104,13 +103,6 @@ def as_boxed(fn: Callable) -> Callable:
     return fn
 
 
-def storage_key(tensor: torch.Tensor):
-    """Hashable identity of the storage behind ``tensor`` (works for fake tensors)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return StorageWeakRef(tensor.untyped_storage())
-
-
 @contextlib.contextmanager
 def donated_indices(indices):
     """Set ``fw_metadata.bw_donated_idxs`` of the current tracing context while
@@ -143,7 +135,7 @@ def inductor_graph_passes(gm) -> bool:
     passes = getattr(inductor_compile_fx, "_recursive_joint_graph_passes", None)
     if passes is None:
         return False
-    values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    values = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
     with _inductor_fake_mode(values):
         passes(gm)
     return True
@@ -188,7 +180,7 @@ def mark_outputs_user_visible(gm) -> None:
     free to pick strides. Marking every output is the conservative choice. A
     torch that ignores the key is unaffected.
     """
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    output = gm.graph.output_node()
     values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     output.meta["user_visible_output_idxs"] = [
         i for i, value in enumerate(values) if isinstance(value, torch.fx.Node)

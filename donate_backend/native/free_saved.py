@@ -62,19 +62,14 @@ def saved_tensor_inputs(graph: torch.fx.Graph) -> List[torch.fx.Node]:
     """Backward placeholders that are saved tensors (not symints, not tangents)."""
     return [
         n
-        for n in graph.nodes
-        if n.op == "placeholder"
-        and not is_tangent(n)
-        and isinstance(n.meta.get("val"), torch.Tensor)
+        for n in graph.find_nodes(op="placeholder")
+        if not is_tangent(n) and isinstance(n.meta.get("val"), torch.Tensor)
     ]
 
 
 def freed_early_count(graph: torch.fx.Graph) -> int:
     """Saved tensors released before the backward returns (not returned by it)."""
-    returned = set()
-    for node in graph.nodes:
-        if node.op == "output":
-            returned = set(node.all_input_nodes)
+    returned = set(graph.output_node().all_input_nodes)
     return sum(1 for n in saved_tensor_inputs(graph) if n not in returned)
 
 
@@ -82,7 +77,7 @@ def donated_placeholders(graph: torch.fx.Graph, donated_indices) -> Set[torch.fx
     """Placeholders at aot_autograd's donated indices that are saved tensors."""
     if not donated_indices:
         return set()
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    placeholders = graph.find_nodes(op="placeholder")
     saved = set(saved_tensor_inputs(graph))
     return {placeholders[i] for i in donated_indices if i < len(placeholders) and placeholders[i] in saved}
 

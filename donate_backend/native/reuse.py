@@ -31,7 +31,7 @@ import torch
 import torch.fx
 
 from ..analysis import liveness
-from . import compat
+from ..analysis.aliasing import storage_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +93,9 @@ def _storage_groups(graph: torch.fx.Graph) -> Dict[torch.fx.Node, object]:
     keys: Dict[torch.fx.Node, object] = {}
     for node in graph.nodes:
         val = _tensor_val(node)
-        if val is not None:
-            try:
-                keys[node] = compat.storage_key(val)
-            except (RuntimeError, NotImplementedError):
-                continue
+        key = storage_key(val) if val is not None else None
+        if key is not None:
+            keys[node] = key
     return keys
 
 

@@ -80,7 +80,7 @@ def split_at_fallbacks(gm: torch.fx.GraphModule) -> Optional[Segments]:
 
 def segment_example_inputs(submodule: torch.fx.GraphModule) -> list:
     """The fake values of a segment's inputs (copied from the nodes they stand for)."""
-    return [n.meta.get("val") for n in submodule.graph.nodes if n.op == "placeholder"]
+    return [n.meta.get("val") for n in submodule.graph.find_nodes(op="placeholder")]
 
 
 def on_cpu(submodule: torch.fx.GraphModule, device: torch.device) -> Callable:

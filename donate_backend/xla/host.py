@@ -50,7 +50,7 @@ class HostPart:
 
 def host_part(gm: torch.fx.GraphModule, host_inputs: Sequence[int]) -> Optional[HostPart]:
     """The write-backs and outputs of ``gm`` computable on the host, or None."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = gm.graph.find_nodes(op="placeholder")
     host_input_set = set(host_inputs)
     host = {placeholders[i] for i in host_input_set if i < len(placeholders)}
     for node in gm.graph.nodes:

@@ -32,7 +32,7 @@ import torch_xla
 from .. import config
 from ..errors import DonateXlaError, UnsupportedGraphError
 from . import compat, metrics, spmd
-from .plan import HloParam, LoweringMismatchError, OutputSlot, ResultSpec, describe, plan_parameters, plan_results
+from .plan import HloParam, LoweringMismatchError, OutputSlot, describe, plan_parameters, plan_results
 from .trace import TracedGraph, check_inputs, input_specs, meta_device, output_nodes, traced_on_placeholders
 
 log = logging.getLogger("donate_xla")

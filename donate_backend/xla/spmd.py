@@ -49,7 +49,7 @@ def inherited_shardings(gm, specs: tuple, shapes: list) -> dict:
     """
     import torch
 
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = gm.graph.find_nodes(op="placeholder")
     index_of = {node: i for i, node in enumerate(placeholders)}
     split = {i for i, spec in enumerate(specs) if spec and spec != "{replicated}"}
     inherited = {}
