@@ -47,9 +47,6 @@ def test_an_xla_tensor_without_torch_xla_gets_a_clear_error(monkeypatch):
     assert isinstance(raised.value.__cause__, ImportError)
 
 
-def test_cpu_graphs_compile_while_torch_xla_cannot_be_imported(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch_xla", None)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
-    x = torch.randn(2, 4)
-    expected = model(x)
-    torch.testing.assert_close(torch.compile(model, backend="donate_xla")(x), expected)
+# CPU graphs compiling with torch_xla unimportable: test_native_compat.py::
+# test_native_path_imports_without_torch_xla (in a subprocess: blocking the import in this
+# process would leave torch's own caches of "no torch_xla" behind for the XLA tests).

@@ -16,6 +16,7 @@ from conftest import XLA_SKIP_REASON
 pytest.importorskip("torch_xla", reason=XLA_SKIP_REASON)
 
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
 import donate_backend
@@ -63,9 +64,13 @@ def test_a_stitched_step_runs_as_one_execution(xla_device):
         for _ in range(3):
             step(x, y)
             torch_xla.sync()
+        # torch_xla records ExecuteTime when an (asynchronous) execution finishes: wait for
+        # the device before each reading, or the count depends on timing.
+        xm.wait_device_ops()
         before = met.metric_data("ExecuteTime")[0]
         step(x, y)  # forward, backward and optimizer: lazy
         torch_xla.sync()
+        xm.wait_device_ops()
         assert met.metric_data("ExecuteTime")[0] - before == 1
 
 
