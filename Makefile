@@ -4,17 +4,15 @@
 # - .venv: the pinned XLA environment (torch 2.9.0, torch_xla 2.9.0, torchvision 0.24.0);
 #   demo, benchmarks and the whole suite run here.
 # - .venv-newest: the newest torch release (no torch_xla, no torchvision until one is
-#   released for it); `make test` runs the suite here too, the XLA tests skip.
-#   Override the release with `make test NEWEST_TORCH=2.x.y NEWEST_TORCHVISION=0.y.z`.
+#   released for it); `make test` runs the suite here too, the XLA tests skip. The pins
+#   are in requirements-newest.txt.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-NEWEST_TORCH ?= 2.15.0
-NEWEST_TORCHVISION ?=
 NEWEST_VENV := .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
-NEWEST_STAMP := $(NEWEST_VENV)/.installed-$(NEWEST_TORCH)
+NEWEST_STAMP := $(NEWEST_VENV)/.installed
 export PJRT_DEVICE ?= CPU
 
 .PHONY: demo test test-xla test-newest bench fuzz peer-tests clean
@@ -25,12 +23,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[xla,test,bench]' torchvision==0.24.0
 	touch $(STAMP)
 
-$(NEWEST_STAMP): pyproject.toml
+$(NEWEST_STAMP): pyproject.toml requirements-newest.txt
 	rm -rf $(NEWEST_VENV)
 	$(PYTHON) -m venv $(NEWEST_VENV)
 	$(NEWEST_PY) -m pip install --quiet --upgrade pip
-	$(NEWEST_PY) -m pip install --quiet -e '.[test,bench]' torch==$(NEWEST_TORCH) \
-		$(if $(NEWEST_TORCHVISION),torchvision==$(NEWEST_TORCHVISION))
+	$(NEWEST_PY) -m pip install --quiet -e '.[test,bench]' -r requirements-newest.txt
 	touch $(NEWEST_STAMP)
 
 demo: $(STAMP)
