@@ -33,18 +33,17 @@ def _mlp(widths):
     return torch.nn.Sequential(*layers[:-1])
 
 
-def heavy(backend: str) -> dict:
+def _compiled_sgd_step(widths, batch: int, backend: str):
+    """A compiled SGD-momentum training step of an MLP on the XLA device, and its input."""
     import torch
     import torch_xla
-    import torch_xla.core.xla_model as xm
 
     import donate_backend  # noqa: F401
 
     device = torch_xla.device()
     torch.manual_seed(0)
-    model = _mlp([2048] * 7).to(device)
+    model = _mlp(widths).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    x = torch.randn(512, 2048).to(device)
 
     @torch.compile(backend=backend)
     def step(x):
@@ -53,6 +52,15 @@ def heavy(backend: str) -> dict:
         opt.step()
         opt.zero_grad()
         return loss
+
+    return step, torch.randn(batch, widths[0]).to(device)
+
+
+def heavy(backend: str) -> dict:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    step, x = _compiled_sgd_step([2048] * 7, 512, backend)
 
     for _ in range(3):
         step(x)
@@ -71,25 +79,10 @@ def heavy(backend: str) -> dict:
 
 
 def tiny(backend: str) -> dict:
-    import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    import donate_backend  # noqa: F401
-
-    device = torch_xla.device()
-    torch.manual_seed(0)
-    model = _mlp([32, 64, 8]).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    x = torch.randn(16, 32).to(device)
-
-    @torch.compile(backend=backend)
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step, x = _compiled_sgd_step([32, 64, 8], 16, backend)
 
     for _ in range(5):
         step(x)
