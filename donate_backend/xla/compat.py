@@ -106,6 +106,15 @@ def value_identities(tensors: Sequence[torch.Tensor]) -> list[str]:
     return [identity(t) for t in tensors]
 
 
+def buffer_identities(tensors: Sequence[torch.Tensor]) -> list:
+    """Per tensor, something equal for two tensors exactly when they read one buffer:
+    the buffer handles in one call, else (a tensor holds pending IR) ``value_identities``."""
+    try:
+        return data_handles(tensors)
+    except RuntimeError:
+        return value_identities(tensors)
+
+
 def handles_or_none(tensors: Sequence[torch.Tensor]) -> list:
     """Like ``data_handles``, with None for a tensor that holds no buffer handle itself
     (its value is pending IR or another tensor's device data)."""
@@ -132,9 +141,7 @@ def is_placeholder(t: torch.Tensor) -> bool:
 
 def buffer_donation_count() -> int:
     """How many times torch_xla set a buffer's donation flag (its XlaSetBufferDonation counter)."""
-    import torch_xla.debug.metrics as met
-
-    return int(met.counter_value("XlaSetBufferDonation") or 0)
+    return int(_required("_xla_counter_value")("XlaSetBufferDonation") or 0)
 
 
 def get_buffer_donation(t: torch.Tensor) -> bool:

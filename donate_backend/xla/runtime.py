@@ -108,21 +108,22 @@ class _WrittenBuffers:
 _written = _WrittenBuffers()
 
 
-def donors_owning_their_buffers(tensors: Sequence[torch.Tensor]) -> bool:
-    """True if each tensor's device data is tagged with its own id, or with the tag
-    of the buffer our write-back gave it.
+def donors_owning_their_buffers(tensors: Sequence[torch.Tensor], own: Sequence[int]) -> bool:
+    """True if each tensor's device data is tagged with its own id (``own``: the
+    tensors' ids), or with the tag of the buffer our write-back gave it.
 
-    torch_xla tags a shared buffer with the last tensor synced onto it, so a
-    tensor that copied another's buffer, or whose buffer was copied and synced,
-    fails this.
+    torch_xla tags a buffer with the tensor it was synced for: a tensor that
+    copied another's buffer reads a buffer tagged with the other's id, and once
+    that copy is synced (``_sync_live_aliases``) the buffer is tagged with the
+    copy's id, so the original fails this.
     """
-    own = compat.tensor_ids(tensors)
-    accepted = [{own_id, _written.get(t)} for own_id, t in zip(own, tensors)]
     # passing the tensors back keeps torch_xla from wrapping (and re-tagging) buffers
     # tagged with their own ids
     tags, _ = compat.device_data_nodes(tensors, tensors)
     # each donor reads exactly one buffer, so the tags come in the tensors' order
-    return len(tags) == len(tensors) and all(tag in ok for tag, ok in zip(tags, accepted))
+    return len(tags) == len(tensors) and all(
+        tag == own_id or tag == _written.get(t) for tag, own_id, t in zip(tags, own, tensors)
+    )
 
 
 def donor_buffers_distinct(device_args: Sequence, donors: Sequence[int]) -> bool:
@@ -131,10 +132,10 @@ def donor_buffers_distinct(device_args: Sequence, donors: Sequence[int]) -> bool
     Two tensors synced together from one IR value (``exp_avg`` and ``exp_avg_sq``
     both ``zeros_like(p)``) can come back as one buffer.
     """
-    tensors = [a for a in device_args if isinstance(a, torch.Tensor) and a.device.type == "xla"]
-    position = {id(t): k for k, t in enumerate(tensors)}
-    identities = compat.value_identities(tensors)
+    tensors = [a for a in device_args if isinstance(a, torch.Tensor) and a.is_xla]
+    identities = compat.buffer_identities(tensors)
     counts = collections.Counter(identities)
+    position = {id(t): k for k, t in enumerate(tensors)}
     return all(counts[identities[position[id(device_args[i])]]] == 1 for i in donors)
 
 
@@ -153,7 +154,38 @@ def _may_be_cache_miss(exc: RuntimeError) -> bool:
 def _donors_passed_twice(args: Sequence, donors: Sequence[int]) -> bool:
     """A donor that is also passed at another position cannot be donated this call."""
     ids = [id(a) for a in args if isinstance(a, torch.Tensor)]
-    return any(ids.count(id(args[i])) > 1 for i in donors)
+    if len(set(ids)) == len(ids):
+        return False
+    counts = collections.Counter(ids)
+    return any(counts[id(args[i])] > 1 for i in donors)
+
+
+def donation_safe(
+    args: Sequence, device_args: Sequence, donors: Sequence[int], trust_tags: bool, device
+) -> bool:
+    """Whether every donor of this call can be donated: not passed twice, not a view,
+    its buffer held by no other argument and owned by it before and after live lazy
+    clones get buffers of their own (see ``donors_owning_their_buffers``).
+
+    Run per call: between two calls the program can copy a donor, view it or
+    clone it lazily. Each part is one pass over the arguments and at most one
+    torch_xla call; none waits for the device.
+    """
+    donor_tensors = [device_args[i] for i in donors]
+    if _donors_passed_twice(args, donors) or not all(has_identity_storage(t) for t in donor_tensors):
+        return False
+    if not donor_buffers_distinct(device_args, donors):
+        return False
+    if not trust_tags:
+        _sync_live_aliases(device)
+        return True
+    # before the sync: a donor that copied another tensor's buffer; after it: a
+    # donor whose buffer a live tensor copied
+    own = compat.tensor_ids(donor_tensors)
+    if not donors_owning_their_buffers(donor_tensors, own):
+        return False
+    _sync_live_aliases(device)
+    return donors_owning_their_buffers(donor_tensors, own)
 
 
 class XlaExecutable:
@@ -222,7 +254,7 @@ class XlaExecutable:
         would wait for the execution (the whole step). The handles of donated
         buffers hold no memory (XLA reuses it); they are let go one call later.
         """
-        donors = [device_args[i] for i in lowered.donors if device_args[i].device.type == "xla"]
+        donors = [device_args[i] for i in lowered.donors if device_args[i].is_xla]
         if not donors:
             return []
         return compat.device_data_nodes(donors)[1]
@@ -250,7 +282,7 @@ class XlaExecutable:
         self._flag_count = count
         self._last_flagged = frozenset(
             i for i in self._requestable
-            if device_args[i].device.type == "xla" and compat.get_buffer_donation(device_args[i])
+            if device_args[i].is_xla and compat.get_buffer_donation(device_args[i])
         )
         return self._last_flagged
 
@@ -265,18 +297,8 @@ class XlaExecutable:
         lowered = self._variant_with_flagged(flagged, device_args) if flagged else self.lowered
         if not lowered.donors:
             return lowered
-        donors = [device_args[i] for i in lowered.donors]
         trust_tags, self._tags_untrusted = not self._tags_untrusted, False
-        safe = (
-            not _donors_passed_twice(args, lowered.donors)
-            and all(has_identity_storage(t) for t in donors)
-            and donor_buffers_distinct(device_args, lowered.donors)
-            and (not trust_tags or donors_owning_their_buffers(donors))
-        )
-        if safe:
-            _sync_live_aliases(self.device)
-            safe = not trust_tags or donors_owning_their_buffers(donors)
-        if safe:
+        if donation_safe(args, device_args, lowered.donors, trust_tags, self.device):
             return lowered
         self.calls_without_donation += 1
         if self.calls_without_donation == 1:
@@ -332,15 +354,19 @@ class XlaExecutable:
         executes nothing. The targets are not synced (a sync waits for the device);
         ``_written`` remembers whose buffer each now reads, for the ownership check.
         """
+        on_device = []
         with torch.no_grad():
             for input_index, result_index in lowered.writebacks:
                 target = args[input_index]
                 new_value = results[result_index]
-                if target.device.type == "xla":
+                if target.is_xla:
                     target.copy_(new_value)
-                    _written.set(target, compat.tensor_id(new_value))
+                    on_device.append((target, new_value))
                 else:
                     target.copy_(new_value.cpu())
+        tags = compat.tensor_ids([new_value for _, new_value in on_device])
+        for (target, _), tag in zip(on_device, tags):
+            _written.set(target, tag)
 
     @staticmethod
     def _output(slot, args: list, results: list):
@@ -355,14 +381,16 @@ class XlaExecutable:
 def materialized_device_args(args: list, device: torch.device) -> list:
     """``args`` with host tensors moved to ``device`` and pending IR made concrete."""
     device_args = list(args)
-    uploaded = []
+    tensors, uploaded = [], []
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.device.type != "xla":
-            device_args[i] = a.to(device)
-            uploaded.append(device_args[i])
+        if isinstance(a, torch.Tensor):
+            if not a.is_xla:
+                a = device_args[i] = a.to(device)
+                uploaded.append(a)
+            tensors.append(a)
     if uploaded:  # give them buffers now: a later trace must not turn them into IR constants
         compat.sync(uploaded, wait=False)
-    _materialize_pending([a for a in device_args if isinstance(a, torch.Tensor)])
+    _materialize_pending(tensors)
     return device_args
 
 
@@ -456,7 +484,7 @@ class StitchedExecutable:
         lowered = self.lowered
         if device_args is None:
             device_args = [
-                a.to(self.device) if isinstance(a, torch.Tensor) and a.device.type != "xla" else a for a in args
+                a.to(self.device) if isinstance(a, torch.Tensor) and not a.is_xla else a for a in args
             ]
         self._start_previous_step()
         results = []
