@@ -85,6 +85,10 @@ def main() -> None:
         rows.append(med)
         ours, ref = med["donate_xla"], med["openxla"]
         step_ratios = sorted(o["step_s"] / r["step_s"] for o, r in zip(runs["donate_xla"], runs["openxla"]))
+        compile_ratios = sorted(
+            o["compile_s"] / r["compile_s"] for o, r in zip(runs["donate_xla"], runs["openxla"])
+        )
+        med["compile_ratios"] = compile_ratios
         print(f"\n== {model_name} ({args.steps} steady steps x {args.repeats} repeats, medians)")
         print(f"{'':28}{'openxla':>14}{'donate_xla':>14}{'ratio':>10}")
         print(f"{'bytes sent, first 3 calls':28}{ref['warm_bytes']:>14.0f}{ours['warm_bytes']:>14.0f}")
@@ -94,6 +98,7 @@ def main() -> None:
             f"{'compile seconds':28}{ref['compile_s']:>14.2f}{ours['compile_s']:>14.2f}"
             f"{ours['compile_s'] / ref['compile_s']:>10.2f}"
         )
+        print(f"{'  compile ratio per repeat':28}{'':>14}{'':>14}  {' '.join(f'{r:.2f}' for r in compile_ratios)}")
         print(
             f"{'step seconds':28}{ref['step_s']:>14.4f}{ours['step_s']:>14.4f}"
             f"{ours['step_s'] / ref['step_s']:>10.2f}"

@@ -5,8 +5,9 @@ Three measurements, each backend in fresh processes, `--repeats` interleaved run
     until `step(x)` returns, `done` until the device has finished
     (`xm.wait_device_ops()`); reported as return / done (torch_xla executes
     asynchronously: a call that returns early lets Python prepare the next step).
-  - tiny: a 32 -> 64 -> 8 MLP step, batch 16: host seconds per call over 200 calls
-    (the device work is negligible, so this is the backend's own per-call cost).
+  - tiny: a 32 -> 64 -> 8 MLP step, batch 16: host seconds per call, the median of
+    5 windows of 200 calls, each window followed by a wait for the device (the
+    device work is negligible, so this is the backend's own per-call cost).
   - micro: 8 compiled forward/backward micro-batches, then a compiled optimizer
     step, per training step (gradient accumulation): seconds per training step.
 Targets: heavy return/done <= 5%; tiny and micro <= 1.0x openxla. Run: `make bench`.
@@ -21,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 BACKENDS = ("donate_xla", "openxla")
-HEAVY_STEPS, TINY_CALLS, MICRO_STEPS, MICRO_BATCHES = 5, 200, 6, 8
+HEAVY_STEPS, TINY_CALLS, TINY_WINDOWS, MICRO_STEPS, MICRO_BATCHES = 5, 200, 5, 6, 8
 
 
 def _mlp(widths):
@@ -88,13 +89,17 @@ def tiny(backend: str) -> dict:
         step(x)
     torch_xla.sync()
     xm.wait_device_ops()
-    start = time.perf_counter()
-    for _ in range(TINY_CALLS):
-        step(x)
-    host = (time.perf_counter() - start) / TINY_CALLS
-    torch_xla.sync()
-    xm.wait_device_ops()
-    return dict(host_s_per_call=host)
+    windows = []
+    for _ in range(TINY_WINDOWS):
+        start = time.perf_counter()
+        for _ in range(TINY_CALLS):
+            step(x)
+        windows.append((time.perf_counter() - start) / TINY_CALLS)
+        torch_xla.sync()
+        xm.wait_device_ops()
+    from xla_common import median
+
+    return dict(host_s_per_call=median(windows))
 
 
 def micro(backend: str) -> dict:

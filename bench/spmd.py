@@ -17,7 +17,16 @@ Reported (medians over the repeats, with ranges):
   - compile: seconds of the first call (it compiles every graph);
   - step: median seconds per step after the warm-up.
 eager is plain torch_xla SPMD: no torch.compile, torch_xla.sync() after each
-step (one lazy graph per step). Writes docs/spmd_rss.png. Run: `make bench`.
+step (one lazy graph per step).
+
+Two layouts (`--layout`, both by default):
+  - fsdp: the parameters and the batch sharded, nothing else;
+  - fsdp-act: also the activations sharded on the batch (the residual stream and
+    the logits, with donate_backend.xla.mark_sharding, for every backend, as FSDP
+    recipes do) and XLA's memory-minimising CPU scheduler for every backend
+    (XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false); donate_xla
+    also runs with DONATE_XLA_ACTIVATION_BUDGET=0.1 ("donate_xla budget 0.1").
+Writes docs/spmd_rss.png (the first layout run). Run: `make bench`.
 """
 from __future__ import annotations
 
@@ -28,12 +37,26 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-BACKENDS = ("donate_xla", "openxla", "eager")
 ENV = {"CPU_NUM_DEVICES": "4", "MALLOC_MMAP_THRESHOLD_": "65536"}
+MEMORY_SCHEDULER = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
+# layout -> {row name: (backend, extra environment)}
+LAYOUTS = {
+    "fsdp": {
+        "donate_xla": ("donate_xla", {}),
+        "openxla": ("openxla", {}),
+        "eager": ("eager", {}),
+    },
+    "fsdp-act": {
+        "donate_xla": ("donate_xla", MEMORY_SCHEDULER),
+        "donate_xla budget 0.1": ("donate_xla", {**MEMORY_SCHEDULER, "DONATE_XLA_ACTIVATION_BUDGET": "0.1"}),
+        "openxla": ("openxla", MEMORY_SCHEDULER),
+        "eager": ("eager", MEMORY_SCHEDULER),
+    },
+}
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
 
 
-def worker(backend: str, steps: int) -> dict:
+def worker(backend: str, layout: str, steps: int) -> dict:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -50,8 +73,17 @@ def worker(backend: str, steps: int) -> dict:
     device = torch_xla.device()
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n, 1), ("data", "model"))
+    constrain = None
+    if layout == "fsdp-act":
+        from donate_backend.xla import describe_mesh, mark_sharding
+
+        described = describe_mesh(mesh)  # outside the compiled step: no graph break
+
+        def constrain(t):
+            return mark_sharding(t, described, ("data",) + (None,) * (t.dim() - 1))
+
     torch.manual_seed(0)
-    model = SmallGPT().to(device)
+    model = SmallGPT(constrain=constrain).to(device)
     for p in model.parameters():
         if p.shape[0] % n == 0:
             xs.mark_sharding(p, mesh, ("data",) + (None,) * (p.dim() - 1))
@@ -102,22 +134,48 @@ def worker(backend: str, steps: int) -> dict:
     )
 
 
-def plot(runs: dict, path: str) -> None:
+def plot(runs: dict, layout: str, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for backend in BACKENDS:
-        r = runs[backend][0]
-        ax.plot([t for t, _ in r["rss"]], [m / 2**20 for _, m in r["rss"]], label=backend)
-    ax.set_title("GPT 6x512, FSDP-style on 4 CPU devices (live bytes)")
+    for row, row_runs in runs.items():
+        r = row_runs[0]
+        ax.plot([t for t, _ in r["rss"]], [m / 2**20 for _, m in r["rss"]], label=row)
+    ax.set_title(f"GPT 6x512 on 4 CPU devices, layout {layout} (live bytes)")
     ax.set_xlabel("seconds into the measured steps")
     ax.set_ylabel("RSS above the least RSS of the run (MiB)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def report(layout: str, runs: dict, steps: int, repeats: int) -> list:
+    from xla_common import summarize
+
+    mib = lambda b: b / 2**20  # noqa: E731
+    ref = {key: summarize(runs["openxla"], key)[0] for key in ("transient", "first_call_s", "step_s")}
+    print(f"\n== GPT 6x512 AdamW on 4 CPU devices, layout {layout}: {steps} steps x {repeats} repeats")
+    print(f"{'row':24}{'live growth MiB':>24}{'x openxla':>11}{'aliased/state':>15}"
+          f"{'compile s':>11}{'x openxla':>11}{'step s':>9}{'x openxla':>11}")
+    summary = []
+    for row, row_runs in runs.items():
+        growth, lo, hi = summarize(row_runs, "transient")
+        compile_s = summarize(row_runs, "first_call_s")[0]
+        step = summarize(row_runs, "step_s")[0]
+        aliased = summarize(row_runs, "aliased")[0]
+        state = row_runs[0]["state_buffers"]
+        print(f"{row:24}{mib(growth):>10.1f} [{mib(lo):>5.0f}-{mib(hi):<5.0f}]"
+              f"{growth / ref['transient']:>11.2f}{aliased:>8.0f}/{state:<6d}"
+              f"{compile_s:>11.2f}{compile_s / ref['first_call_s']:>11.2f}"
+              f"{step:>9.3f}{step / ref['step_s']:>11.2f}")
+        summary.append(dict(layout=layout, row=row, growth=growth, growth_min=lo, growth_max=hi,
+                            x_openxla=growth / ref["transient"], aliased=aliased, state_buffers=state,
+                            compile_s=compile_s, step_s=step, x_openxla_step=step / ref["step_s"],
+                            losses=[r["loss"] for r in row_runs]))
+    return summary
 
 
 def main() -> None:
@@ -126,43 +184,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--worker", metavar="BACKEND", help="internal: one run")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), action="append", help="default: both")
+    parser.add_argument("--worker", nargs=2, metavar=("BACKEND", "LAYOUT"), help="internal: one run")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--plot", default=os.path.join(DOCS, "spmd_rss.png"))
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps)))
+        print(json.dumps(worker(*args.worker, args.steps)))
         return
 
-    from xla_common import run_worker, summarize, write_json
+    from xla_common import run_worker, write_json
 
-    runs = {b: [] for b in BACKENDS}
-    for _ in range(args.repeats):
-        for backend in BACKENDS:
-            runs[backend].append(run_worker(__file__, "--worker", backend, "--steps", str(args.steps), env=ENV))
-    mib = lambda b: b / 2**20  # noqa: E731
-    ref = {key: summarize(runs["openxla"], key)[0] for key in ("transient", "first_call_s", "step_s")}
-    print(f"\n== GPT 6x512 AdamW, FSDP-style on 4 CPU devices: {args.steps} steps x {args.repeats} repeats")
-    print(f"{'backend':12}{'live growth MiB':>24}{'x openxla':>11}{'aliased/state':>15}"
-          f"{'compile s':>11}{'x openxla':>11}{'step s':>9}{'x openxla':>11}")
     summary = []
-    for backend in BACKENDS:
-        growth, lo, hi = summarize(runs[backend], "transient")
-        compile_s = summarize(runs[backend], "first_call_s")[0]
-        step = summarize(runs[backend], "step_s")[0]
-        aliased = summarize(runs[backend], "aliased")[0]
-        state = runs[backend][0]["state_buffers"]
-        print(f"{backend:12}{mib(growth):>10.1f} [{mib(lo):>5.0f}-{mib(hi):<5.0f}]"
-              f"{growth / ref['transient']:>11.2f}{aliased:>8.0f}/{state:<6d}"
-              f"{compile_s:>11.2f}{compile_s / ref['first_call_s']:>11.2f}"
-              f"{step:>9.3f}{step / ref['step_s']:>11.2f}")
-        summary.append(dict(backend=backend, growth=growth, growth_min=lo, growth_max=hi,
-                            x_openxla=growth / ref["transient"], aliased=aliased, state_buffers=state,
-                            compile_s=compile_s, step_s=step, x_openxla_step=step / ref["step_s"],
-                            losses=[r["loss"] for r in runs[backend]]))
-    if args.plot:
-        plot(runs, args.plot)
-        print(f"\nplot: {args.plot}")
+    for layout in args.layout or list(LAYOUTS):
+        rows = LAYOUTS[layout]
+        runs = {row: [] for row in rows}
+        for _ in range(args.repeats):
+            for row, (backend, env) in rows.items():
+                runs[row].append(run_worker(
+                    __file__, "--worker", backend, layout, "--steps", str(args.steps), env={**ENV, **env}
+                ))
+        summary += report(layout, runs, args.steps, args.repeats)
+        if args.plot:
+            plot(runs, layout, args.plot)
+            print(f"\nplot: {args.plot}")
+            args.plot = None
     write_json(args.json, summary)
 
 

@@ -44,6 +44,7 @@ class Block(nn.Module):
         self.qkv = nn.Linear(width, 3 * width, bias=False)
         self.proj = nn.Linear(width, width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.constrain = _unchanged  # SmallGPT(constrain=...): shards the residual stream
 
     def forward(self, x):
         b, t, c = x.shape
@@ -52,26 +53,38 @@ class Block(nn.Module):
         att = (split(q) @ split(k).transpose(-2, -1)) / (c // self.heads) ** 0.5
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         y = (att.masked_fill(~causal, float("-inf")).softmax(-1) @ split(v)).transpose(1, 2)
-        x = x + self.proj(y.reshape(b, t, c))
-        return x + self.mlp(self.ln2(x))
+        x = self.constrain(x + self.proj(y.reshape(b, t, c)))
+        return self.constrain(x + self.mlp(self.ln2(x)))
+
+
+def _unchanged(t):
+    return t
 
 
 class SmallGPT(nn.Module):
-    """6 layers, width 512, vocabulary 8192: about 23M parameters."""
+    """6 layers, width 512, vocabulary 8192: about 23M parameters.
 
-    def __init__(self, vocab=8192, width=512, depth=6, heads=8, seq=128):
+    ``constrain`` (identity by default) is applied to the residual stream after
+    the embedding and after each attention and MLP residual, and to the logits:
+    a sharding constraint on activations (SPMD), as FSDP recipes add.
+    """
+
+    def __init__(self, vocab=8192, width=512, depth=6, heads=8, seq=128, constrain=None):
         super().__init__()
+        self.constrain = constrain or _unchanged
         self.tok = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.zeros(seq, width))
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
+        for block in self.blocks:
+            block.constrain = self.constrain
 
     def forward(self, idx):
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        x = self.constrain(self.tok(idx) + self.pos[: idx.shape[1]])
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x))
+        return self.constrain(self.head(self.ln(x)))
 
 
 MODELS = {

@@ -21,7 +21,7 @@ import torch_xla.runtime as xr
 xr.use_spmd()
 
 import donate_backend  # noqa: E402
-from donate_backend.xla import mark_sharding  # noqa: E402
+from donate_backend.xla import describe_mesh, mark_sharding  # noqa: E402
 from donate_backend.xla.runtime import XlaExecutable  # noqa: E402
 
 STEPS = 5
@@ -58,16 +58,21 @@ def build(layout: str, mesh: xs.Mesh, compiled: bool = True):
     torch.manual_seed(0)
     model = MLP().to(device)
     shard_activation = None
-    if layout == "fsdp":  # weights, biases and (through them) optimizer state on dim 0
+    if layout in ("fsdp", "fsdp_activation"):  # weights, biases and (through them) optimizer state on dim 0
         for p in model.parameters():
             xs.mark_sharding(p, mesh, ("data",) + (None,) * (p.dim() - 1))
-    elif layout == "megatron_2d":  # fc1 column-parallel, fc2 row-parallel over "model"
+    if layout == "activation":  # an intermediate sharded inside the compiled function
+        def shard_activation(h):
+            return mark_sharding(h, mesh, ("data", None))
+    if layout == "fsdp_activation":  # the same with the mesh described outside: no graph break
+        described = describe_mesh(mesh)
+
+        def shard_activation(h):
+            return mark_sharding(h, described, ("data", None))
+    if layout == "megatron_2d":  # fc1 column-parallel, fc2 row-parallel over "model"
         xs.mark_sharding(model.fc1.weight, mesh, ("model", None))
         xs.mark_sharding(model.fc1.bias, mesh, ("model",))
         xs.mark_sharding(model.fc2.weight, mesh, (None, "model"))
-    elif layout == "activation":  # an intermediate sharded inside the compiled function
-        def shard_activation(h):
-            return mark_sharding(h, mesh, ("data", None))
     elif layout == "fsdpv2":
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
             SpmdFullyShardedDataParallel as FSDPv2,
@@ -128,7 +133,8 @@ def _sharding_annotations(records) -> int:
 
 
 def main(layout: str, variant: str = "") -> None:
-    """``variant``: "" (as is), "donation_off" (the switch off), "dropout" (RNG)."""
+    """``variant``: "" (as is), "donation_off" (the switch off), "budget" (activation
+    budget 0.1: most activations recomputed in the backward)."""
     calls = []
     original = XlaExecutable.run
 
@@ -140,6 +146,8 @@ def main(layout: str, variant: str = "") -> None:
     XlaExecutable.run = counted
     eager = train(layout, "eager")
     settings = dict(debug=True, donation=variant != "donation_off")
+    if variant == "budget":
+        settings["activation_budget"] = 0.1
     with donate_backend.config.patch(**settings):
         compiled = train(layout, "donate_xla")
     records = donate_backend.reports()
@@ -150,6 +158,7 @@ def main(layout: str, variant: str = "") -> None:
         "transfers_while_compiling": sum(r.transfers_bytes for r in records),
         "donor_shardings": sorted({d.sharding for r in records for d in r.donated}),
         "forward_sharding_annotations": _sharding_annotations(records),
+        "forward_graphs": len({r.graph_id for r in records if r.kind == "forward"}),
     }))
 
 

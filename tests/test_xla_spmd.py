@@ -60,6 +60,20 @@ def test_layout_trains_like_eager_spmd_and_donates_every_state_buffer(layout):
         assert result["forward_sharding_annotations"] >= 1
 
 
+def test_sharded_activations_under_a_small_budget_with_the_memory_scheduler():
+    """The recipe of docs/spmd.md for the least memory: FSDP, activations sharded on the
+    batch, most activations recomputed (budget 0.1), XLA's memory-minimising scheduler."""
+    result = run_layout(
+        "fsdp_activation", "budget",
+        env={"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"},
+    )
+    assert_same_training(result)
+    optimizer_calls = [c for c in result["calls"] if c[0].endswith("inference")]
+    assert len(optimizer_calls) == 5 and all(d == 18 and a == d for _, d, a in optimizer_calls)
+    assert result["forward_sharding_annotations"] >= 1
+    assert result["forward_graphs"] == 1  # describe_mesh: mark_sharding does not break the graph
+
+
 def test_switch_off_on_a_mesh_donates_nothing():
     result = run_layout("fsdp", "donation_off")
     assert_same_training(result)

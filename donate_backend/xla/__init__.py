@@ -11,7 +11,7 @@ from ..analysis.aliasing import overlapping_inputs_written
 from ..analysis.mutation import donation_requests
 from ..errors import UnsupportedGraphError
 from .compiler import compile_graph
-from .sharding import mark_sharding
+from .sharding import MeshDescription, describe_mesh, mark_sharding
 
 log = logging.getLogger("donate_xla")
 
@@ -81,4 +81,6 @@ def capture(gm, example_inputs) -> Optional[XlaCapture]:
     return XlaCapture(tuple(requested)) if requested else None
 
 
-__all__ = ["capture", "compile_graph", "aot_options", "check_dynamo_graph", "mark_sharding"]
+__all__ = [
+    "MeshDescription", "aot_options", "capture", "check_dynamo_graph", "compile_graph", "describe_mesh", "mark_sharding",
+]

@@ -15,7 +15,7 @@ also honours ``torch.ops.xla.dynamo_mark_sharding`` when it meets it.
 from __future__ import annotations
 
 import ast
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -66,19 +66,39 @@ _mark_sharding_op.register_autograd(_backward, setup_context=_setup_context)
 OP = torch.ops.donate_xla.mark_sharding.default
 
 
+class MeshDescription(NamedTuple):
+    """A torch_xla Mesh as plain Python values, which dynamo reads as constants."""
+
+    device_ids: tuple
+    mesh_shape: tuple
+    axis_names: tuple
+
+
+def describe_mesh(mesh) -> MeshDescription:
+    """``mesh`` (a ``torch_xla.distributed.spmd.Mesh``) for ``mark_sharding`` inside a
+    compiled function. Call it outside the function: the Mesh's device ids are a
+    numpy array, which dynamo reads element by element, breaking the graph."""
+    return MeshDescription(
+        tuple(int(d) for d in mesh.device_ids), tuple(int(n) for n in mesh.mesh_shape), tuple(mesh.axis_names)
+    )
+
+
 def mark_sharding(t: torch.Tensor, mesh, partition_spec) -> torch.Tensor:
     """Shard ``t`` (an activation, inside or outside ``torch.compile``) over ``mesh``.
 
     Returns the sharded tensor (use it in place of ``t``); its gradient gets the
-    same sharding. ``mesh`` is a ``torch_xla.distributed.spmd.Mesh`` and
-    ``partition_spec`` a tuple as for ``xs.mark_sharding``.
+    same sharding. ``mesh`` is a ``torch_xla.distributed.spmd.Mesh`` or, inside
+    a compiled function, better its ``describe_mesh(mesh)`` made outside it (a
+    Mesh read there breaks the graph at this call); ``partition_spec`` is a
+    tuple as for ``xs.mark_sharding``.
     """
     if len(partition_spec) != t.dim():
         raise ValueError(
             f"donate_xla: mark_sharding: partition_spec {partition_spec!r} has {len(partition_spec)} "
             f"entries for a tensor of rank {t.dim()}; give one per dimension (None to replicate it)"
         )
-    device_ids = [int(d) for d in mesh.device_ids]
+    described = mesh if isinstance(mesh, MeshDescription) else describe_mesh(mesh)
     return _mark_sharding_op(
-        t, device_ids, list(mesh.mesh_shape), repr(tuple(mesh.axis_names)), repr(tuple(partition_spec))
+        t, list(described.device_ids), list(described.mesh_shape), repr(tuple(described.axis_names)),
+        repr(tuple(partition_spec)),
     )
