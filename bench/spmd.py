@@ -26,7 +26,7 @@ Two layouts (`--layout`, both by default):
     recipes do) and XLA's memory-minimising CPU scheduler for every backend
     (XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false); donate_xla
     also runs with DONATE_XLA_ACTIVATION_BUDGET=0.1 ("donate_xla budget 0.1").
-Writes docs/spmd_rss.png (the first layout run). Run: `make bench`.
+Writes docs/spmd_rss.png and docs/spmd_act_rss.png (first repeat). Run: `make bench`.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 ENV = {"CPU_NUM_DEVICES": "4", "MALLOC_MMAP_THRESHOLD_": "65536"}
 MEMORY_SCHEDULER = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
+PLOTS = {"fsdp": "spmd_rss.png", "fsdp-act": "spmd_act_rss.png"}
 # layout -> {row name: (backend, extra environment)}
 LAYOUTS = {
     "fsdp": {
@@ -187,7 +188,7 @@ def main() -> None:
     parser.add_argument("--layout", choices=sorted(LAYOUTS), action="append", help="default: both")
     parser.add_argument("--worker", nargs=2, metavar=("BACKEND", "LAYOUT"), help="internal: one run")
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--plot", default=os.path.join(DOCS, "spmd_rss.png"))
+    parser.add_argument("--plot-dir", default=DOCS, help="where the plots go; '' for none")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker, args.steps)))
@@ -205,10 +206,10 @@ def main() -> None:
                     __file__, "--worker", backend, layout, "--steps", str(args.steps), env={**ENV, **env}
                 ))
         summary += report(layout, runs, args.steps, args.repeats)
-        if args.plot:
-            plot(runs, layout, args.plot)
-            print(f"\nplot: {args.plot}")
-            args.plot = None
+        if args.plot_dir:
+            path = os.path.join(args.plot_dir, PLOTS[layout])
+            plot(runs, layout, path)
+            print(f"\nplot: {path}")
     write_json(args.json, summary)
 
 
