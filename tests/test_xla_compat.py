@@ -35,7 +35,20 @@ REQUIRED = [
     ("_get_base_seed_as_tensor", lambda: compat.base_seed_tensor(torch_xla.device())),
     ("_xla_get_rng_seed", compat.rng_seed if HAS_TORCH_XLA else None),
     ("_set_buffer_donation", lambda: compat.set_buffer_donation(_some_xla_tensor(), False)),
+    ("_get_tensors_handle", lambda: compat.buffer_identities([_some_xla_tensor()])),
+    ("_unique_id_for_ir_and_data", lambda: compat.value_identities([_some_xla_tensor()])),
+    ("_xla_counter_value", compat.buffer_donation_count if HAS_TORCH_XLA else None),
 ]
+
+
+def test_buffer_identities_of_a_tensor_without_a_buffer_fall_back_to_value_identities(xla_device):
+    a = _some_xla_tensor()
+    torch_xla.sync()
+    b = torch.zeros(3, device=xla_device)
+    b.copy_(a)  # reads a's buffer
+    pending = a * 2  # no buffer yet: torch_xla cannot give its handle
+    ids = compat.buffer_identities([a, b, pending])
+    assert ids[0] == ids[1] and ids[2] != ids[0]
 
 
 @pytest.mark.parametrize("name,call", REQUIRED, ids=[n for n, _ in REQUIRED])

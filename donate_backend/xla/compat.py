@@ -111,7 +111,9 @@ def buffer_identities(tensors: Sequence[torch.Tensor]) -> list:
     the buffer handles in one call, else (a tensor holds pending IR) ``value_identities``."""
     try:
         return data_handles(tensors)
-    except RuntimeError:
+    except MissingXlaApiError:
+        raise
+    except RuntimeError:  # torch_xla's error for a tensor without a buffer of its own
         return value_identities(tensors)
 
 
