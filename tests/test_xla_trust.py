@@ -301,3 +301,42 @@ def test_returned_new_value_stays_valid_after_the_next_donating_call():
         return step, lambda: [p]
 
     run_against_eager(program, steps=4)
+
+
+def test_reductions_over_every_dimension_by_an_empty_dim_list():
+    """``x.amax()`` is ``amax(x, [])``, and an empty dim list means every dimension.
+    torch_xla 2.9 reduced over none (eager torch_xla and openxla return x unchanged);
+    donate_xla gives torch's answer. A max-abs loss scale, a normalised logit and
+    variance statistics, trained for a few steps against the CPU."""
+    aten = torch.ops.aten
+
+    def program(device, compile_):
+        model = _mlp().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+        def f(x, y):
+            out = model(x)
+            scaled = out / out.detach().abs().amax()
+            loss = F.mse_loss(scaled, y) + 0.1 * out.amin(keepdim=True).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            stats = (aten.var.correction(out.detach(), []), aten.sum.dim_IntList(out.detach(), []),
+                     aten.mean.dim(out.detach(), [], True), torch.amax(out.detach(), dim=()))
+            return loss.detach(), stats
+
+        cf = compile_(f)
+        return (lambda i: cf(*_batch(i, device=device))), (lambda: list(model.parameters()))
+
+    run_against_eager(program)
+
+
+def test_a_lowering_that_changes_an_outputs_shape_is_refused(monkeypatch):
+    """Should another torch_xla lowering compute the wrong shape, the graph is refused
+    with a message naming the output, not run: here the empty-dim fix is undone."""
+    from donate_backend.xla import trace
+
+    monkeypatch.setattr(trace, "with_every_dim", lambda target, args, kwargs: (args, kwargs))
+    f = torch.compile(lambda x: x.amax() * 2, backend="donate_xla")
+    with pytest.raises(Exception, match=r"computed output 'mul' with shape \[3, 4\], but torch says \[\]"):
+        f(torch.randn(3, 4).to(torch_xla.device()))

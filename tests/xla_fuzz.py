@@ -181,11 +181,13 @@ class _Body:
             self.compute(with_params=True)
         src = self.rng.choice([a for a in self.acts if self.uses[a]])
         loss = self.fresh("loss")
-        kind = self.rng.randrange(3)
+        kind = self.rng.randrange(4)
         if kind == 0:
             self.emit(f"{loss} = F.mse_loss({src}, y)")
         elif kind == 1:
             self.emit(f"{loss} = ({src} * {src}).mean() + {src}.sum() * 0.01")
+        elif kind == 2:  # a reduction over every dimension by an empty dim list (x.amax())
+            self.emit(f"{loss} = F.mse_loss({src} / (1 + {src}.detach().abs().amax()), y)")
         else:
             self.emit(f"{loss} = F.smooth_l1_loss({src}, y)")
         if self.rng.random() < 0.15 and "W0" in self.uses[src]:
@@ -211,7 +213,7 @@ class _Body:
     def returns(self) -> None:
         pool = list(self.returnable)
         for a in self.acts[1:]:
-            pool += [f"{a}.detach()", f"{a}.sum()", f"{a}.t()", f"{a}[0]", f"{a}.view(-1)"]
+            pool += [f"{a}.detach()", f"{a}.sum()", f"{a}.t()", f"{a}[0]", f"{a}.view(-1)", f"{a}.amin(keepdim=True)"]
         pool += ["S.v0", "S.b0"] + [name for name, _ in self.args]
         chosen = self.rng.sample(pool, k=min(len(pool), self.rng.randint(1, 5)))
         self.emit(f"return ({', '.join(chosen)},)")

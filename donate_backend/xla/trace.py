@@ -23,6 +23,7 @@ import torch_xla
 
 from ..errors import UnsupportedGraphError
 from . import compat
+from .plan import LoweringMismatchError
 
 _LOWERABLE_KEYS = (
     "XLA",
@@ -34,6 +35,46 @@ _LOWERABLE_KEYS = (
 _EQUIVALENT_OPS = {
     torch.ops.aten.lift_fresh_copy.default: torch.ops.aten.clone.default,
 }
+
+# Reductions whose empty dim list means "every dimension" (``x.amax()`` is
+# ``amax(x, [])``). torch_xla 2.9 reduces over no dimension instead and returns x
+# unchanged, a silently wrong value, in eager mode too. op -> index of the dim argument.
+_aten = torch.ops.aten
+_EMPTY_DIMS_MEAN_ALL = {
+    _aten.amax.default: 1,
+    _aten.amin.default: 1,
+    _aten.sum.dim_IntList: 1,
+    _aten.mean.dim: 1,
+    _aten.nansum.default: 1,
+    _aten.var.dim: 1,
+    _aten.var.correction: 1,
+    _aten.std.dim: 1,
+    _aten.std.correction: 1,
+    _aten.var_mean.correction: 1,
+    _aten.std_mean.correction: 1,
+    _aten.linalg_vector_norm.default: 2,
+}
+
+
+def with_every_dim(target, args: tuple, kwargs: dict) -> tuple:
+    """``(args, kwargs)`` with an empty dim list of a reduction (given, or
+    ``amax``/``amin``'s default) replaced by every dimension of its input, which
+    is what the empty list means; anything else unchanged."""
+    position = _EMPTY_DIMS_MEAN_ALL.get(target)
+    if position is None:
+        return args, kwargs
+    if len(args) > position:
+        dims = args[position]
+    else:
+        default = target._schema.arguments[position].default_value
+        dims = kwargs.get("dim", default)
+    if not isinstance(dims, (list, tuple)) or len(dims) > 0:
+        return args, kwargs
+    every = list(range(args[0].dim()))
+    if len(args) > position:
+        return args[:position] + (every,) + args[position + 1:], kwargs
+    return args, {**kwargs, "dim": every}
+
 
 _HOST_READ_OPS = {
     torch.ops.aten._local_scalar_dense.default: ".item() / a Python number read",
@@ -190,6 +231,7 @@ class _PlaceholderTracer(torch.fx.Interpreter):
             return _mark_sharding(*args, **kwargs)
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
             kwargs = {**kwargs, "device": self.device}
+        args, kwargs = with_every_dim(target, tuple(args), kwargs)
         return super().call_function(target, args, kwargs)
 
     def get_attr(self, target, args, kwargs):
@@ -208,6 +250,28 @@ def flatten_outputs(out) -> list:
 
 def output_nodes(gm: torch.fx.GraphModule) -> list:
     return flatten_outputs(gm.graph.output_node().args[0])
+
+
+def check_output_shapes(gm: torch.fx.GraphModule, outputs: Sequence, graph_name: str) -> None:
+    """Refuse a trace whose output has another shape than torch says it has.
+
+    A torch_xla lowering that computes the wrong thing for some arguments
+    (``amax`` with an empty dim list did) would otherwise be a silently wrong
+    value; a wrong shape at least is caught here, before anything runs.
+    """
+    for node, value in zip(output_nodes(gm), outputs):
+        expected = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if not (isinstance(expected, torch.Tensor) and isinstance(value, torch.Tensor)):
+            continue
+        shape = tuple(expected.shape)
+        if all(isinstance(d, int) for d in shape) and tuple(value.shape) != shape:
+            raise LoweringMismatchError(
+                f"donate_xla: {graph_name}: torch_xla computed output {node.name!r} with shape "
+                f"{list(value.shape)}, but torch says {list(shape)}: the result would be wrong, so "
+                "the graph is not compiled. The op that made it is torch_xla's; please report it "
+                "with the graph (DONATE_XLA_DEBUG=1 writes it), and compute that value outside the "
+                "compiled function (torch._dynamo.disable) meanwhile."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +410,7 @@ def traced_on_placeholders(
             for i in donors:
                 compat.set_buffer_donation(holders[i], True)
             live.outputs.extend(flatten_outputs(tracer.run(*holders)))
+            check_output_shapes(gm, live.outputs, graph_name)
             live.constants_uploaded = tracer.constants_uploaded
             yield live
         finally:
