@@ -25,6 +25,7 @@ class Settings:
     native_compiler: str = "aten"  # DONATE_XLA_NATIVE_COMPILER
     stitch: bool = False  # DONATE_XLA_STITCH: XLA graphs run back to back as one executable
     activation_budget: float = 1.0  # DONATE_XLA_ACTIVATION_BUDGET: share of activations saved
+    order_recompute: bool = True  # DONATE_XLA_ORDER_RECOMPUTE: backward recomputation kept in place
 
     def __post_init__(self) -> None:
         if self.native_compiler not in _NATIVE_COMPILERS:
@@ -57,6 +58,7 @@ def settings_from_env(environ: Mapping[str, str]) -> Settings:
         ("bucket_view", "DONATE_XLA_BUCKET_VIEW"),
         ("debug", "DONATE_XLA_DEBUG"),
         ("stitch", "DONATE_XLA_STITCH"),
+        ("order_recompute", "DONATE_XLA_ORDER_RECOMPUTE"),
     ):
         if var in environ:
             kwargs[field] = _parse_bool(var, environ[var])

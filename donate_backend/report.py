@@ -60,6 +60,7 @@ class GraphRecord:
     fallback_ops: tuple = ()  # XLA path: ops that run on the CPU between the graph's XLA segments
     stitched: bool = False  # XLA path: runs inside a lazy whole-step graph (DONATE_XLA_STITCH)
     saved_bytes: Optional[int] = None  # forward graphs: bytes of activations saved for backward
+    recompute_gated: int = 0  # XLA backward graphs: recomputation roots kept in order (xla/recompute.py)
     # XLA path: the lowered graph (``xla.lower.LoweredGraph``); ``lowered.traced`` is
     # the traced stage. Each prints itself with ``as_text()``.
     lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -113,6 +114,10 @@ def format_record(r: GraphRecord) -> str:
         lines.append(f"  split into XLA segments around ops run on the CPU: {', '.join(r.fallback_ops)}")
     if r.saved_bytes is not None:
         lines.append(f"  saved for backward: {r.saved_bytes} B")
+    if r.recompute_gated:
+        lines.append(
+            f"  recomputation kept in order: {r.recompute_gated} roots wait for the gradient before them"
+        )
     if r.stitched:
         lines.append("  stitched: runs inside the lazy whole-step graph; torch_xla's sync donates")
     if r.host_input_bytes:

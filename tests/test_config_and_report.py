@@ -8,12 +8,16 @@ def test_defaults_are_on():
     s = config.settings_from_env({})
     assert (s.donation, s.free_saved, s.bucket_view, s.debug) == (True, True, True, False)
     assert s.native_compiler == "aten"
-    assert (s.stitch, s.activation_budget) == (False, 1.0)
+    assert (s.stitch, s.activation_budget, s.order_recompute) == (False, 1.0, True)
 
 
 def test_memory_switches_parse_and_validate():
-    s = config.settings_from_env({"DONATE_XLA_STITCH": "1", "DONATE_XLA_ACTIVATION_BUDGET": "0.25"})
-    assert (s.stitch, s.activation_budget) == (True, 0.25)
+    s = config.settings_from_env(
+        {"DONATE_XLA_STITCH": "1", "DONATE_XLA_ACTIVATION_BUDGET": "0.25", "DONATE_XLA_ORDER_RECOMPUTE": "0"}
+    )
+    assert (s.stitch, s.activation_budget, s.order_recompute) == (True, 0.25, False)
+    with pytest.raises(ValueError, match="DONATE_XLA_ORDER_RECOMPUTE='maybe' is not a boolean"):
+        config.settings_from_env({"DONATE_XLA_ORDER_RECOMPUTE": "maybe"})
     with pytest.raises(ValueError, match="DONATE_XLA_ACTIVATION_BUDGET='half' is not a number"):
         config.settings_from_env({"DONATE_XLA_ACTIVATION_BUDGET": "half"})
     with pytest.raises(ValueError, match=r"activation_budget must be in \(0, 1\], got 1.5"):
@@ -59,3 +63,10 @@ def test_table_lists_every_graph():
     assert lines[2].startswith("graph 0 forward") and lines[3].startswith("graph 0 inference")
     assert lines[3].split()[8] == "1"  # the donated column ("graph 0 inference" is 3 words)
     assert "donated  #0   parameter" in report.format_record(records[1])
+
+
+def test_record_says_how_many_recomputation_roots_were_ordered():
+    ordered = report.GraphRecord(0, "backward", "xla", "xla", 5, recompute_gated=3)
+    assert "recomputation kept in order: 3 roots wait for the gradient before them" in report.format_record(ordered)
+    plain = report.GraphRecord(0, "backward", "xla", "xla", 5)
+    assert "recomputation" not in report.format_record(plain)

@@ -22,7 +22,8 @@ import torch.fx
 import torch_xla
 
 from ..errors import UnsupportedGraphError
-from . import compat
+from .. import config
+from . import compat, recompute
 from .plan import LoweringMismatchError
 
 _LOWERABLE_KEYS = (
@@ -206,15 +207,24 @@ def _unwrapped(value):
 class _PlaceholderTracer(torch.fx.Interpreter):
     """Runs the graph on placeholders; host tensors are kept on the device."""
 
-    def __init__(self, gm: torch.fx.GraphModule, graph_name: str, device: torch.device):
+    def __init__(self, gm: torch.fx.GraphModule, graph_name: str, device: torch.device, gates: dict):
         super().__init__(gm, garbage_collect_values=True)
         self.graph_name = graph_name
         self.device = device
         self.constants_uploaded = 0
+        self.gates = gates  # recomputation root -> the gradient value it waits for
+        self.gate_nodes = set(gates.values())
+        self.gate_values = {}  # kept past their last use in the graph (the interpreter frees those)
+        self.gate_flags = {}  # gate -> the True computed from it
 
     def run_node(self, node: torch.fx.Node):
         try:
-            return _unwrapped(super().run_node(node))
+            if node in self.gates:
+                return _unwrapped(self._run_gated(node))
+            value = _unwrapped(super().run_node(node))
+            if node in self.gate_nodes:
+                self.gate_values[node] = value
+            return value
         except UnsupportedGraphError:
             raise
         except Exception as exc:  # noqa: BLE001 - rethrown with the op's name
@@ -224,6 +234,17 @@ class _PlaceholderTracer(torch.fx.Interpreter):
                 "If torch_xla has no lowering for it, move that op outside the compiled "
                 "region (torch._dynamo.disable) or replace it with supported ops."
             ) from exc
+
+    def _run_gated(self, node: torch.fx.Node):
+        """Run a recomputation root with one input made dependent on its gate
+        (``recompute.py``), so XLA cannot run it before the gate's value exists."""
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        gate = self.gates[node]
+        if gate not in self.gate_flags:
+            self.gate_flags[gate] = recompute.always_true(self.gate_values.pop(gate))
+        leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        args, kwargs = torch.utils._pytree.tree_unflatten(recompute.gated_inputs(leaves, self.gate_flags[gate]), spec)
+        return self.call_function(node.target, args, kwargs)
 
     def call_function(self, target, args, kwargs):
         target = _EQUIVALENT_OPS.get(target, target)
@@ -404,7 +425,8 @@ def traced_on_placeholders(
         handles = compat.data_handles([reals[i] if _is_xla(reals[i]) else holders[i] for i in tensor_inputs])
         shared = [i for i in donors if _is_xla(reals[i])]  # their flags live on real buffers
         saved_flags = [compat.get_buffer_donation(holders[i]) for i in shared]
-        tracer = _PlaceholderTracer(gm, graph_name, torch_xla.device())
+        gated = recompute.gates(gm.graph) if config.current().order_recompute else {}
+        tracer = _PlaceholderTracer(gm, graph_name, torch_xla.device(), gated)
         live = LiveTrace(holders, [], 0, reals, dict(zip(handles, tensor_inputs)))
         try:
             for i in donors:
@@ -419,3 +441,5 @@ def traced_on_placeholders(
             live.outputs.clear()
             holders.clear()
             tracer.env.clear()
+            tracer.gate_values.clear()
+            tracer.gate_flags.clear()
