@@ -23,8 +23,10 @@ compared) and the median step time (from the glibc runs).
 Rows: donate_xla (separate forward, backward and optimizer executables),
 donate_xla_stitch (DONATE_XLA_STITCH=1: they run as one lazy whole-step graph),
 donate_xla_budget (DONATE_XLA_ACTIVATION_BUDGET=0.1: recompute instead of saving
-most activations), openxla, openxla with every state buffer flagged for donation
-by hand, and lazy (plain torch_xla: no torch.compile, torch_xla.sync() per step).
+most activations), donate_xla_budget_sched (the same with XLA's memory-minimising
+CPU scheduler, XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false), openxla, openxla with every state buffer flagged for donation
+by hand, lazy (plain torch_xla: no torch.compile, torch_xla.sync() per step) and
+lazy_sched (lazy with the memory-minimising scheduler). `--backends` runs a subset.
 The floor is what a step must hold at its peak however it is compiled: the
 gradients plus the activations saved for backward, measured as the bytes of
 donate_xla's backward inputs that are neither parameters nor incoming
@@ -40,9 +42,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-BACKENDS = ("donate_xla", "donate_xla_stitch", "donate_xla_budget", "openxla", "openxla_flagged", "lazy")
-# donate_xla variants: the switches they run under (DONATE_XLA_STITCH, DONATE_XLA_ACTIVATION_BUDGET)
-VARIANTS = {"donate_xla_stitch": {"DONATE_XLA_STITCH": "1"}, "donate_xla_budget": {"DONATE_XLA_ACTIVATION_BUDGET": "0.1"}}
+BACKENDS = (
+    "donate_xla", "donate_xla_stitch", "donate_xla_budget", "donate_xla_budget_sched",
+    "openxla", "openxla_flagged", "lazy", "lazy_sched",
+)
+MEMORY_SCHEDULER = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
+# variants: the switches they run under (set before the XLA client starts)
+VARIANTS = {
+    "donate_xla_stitch": {"DONATE_XLA_STITCH": "1"},
+    "donate_xla_budget": {"DONATE_XLA_ACTIVATION_BUDGET": "0.1"},
+    "donate_xla_budget_sched": {"DONATE_XLA_ACTIVATION_BUDGET": "0.1", **MEMORY_SCHEDULER},
+    "lazy_sched": MEMORY_SCHEDULER,
+}
 ALLOCATORS = {"glibc": {}, "live": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 FIGURE = {"glibc": "peak_growth", "live": "transient"}  # the growth each setting reports
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
@@ -93,7 +104,7 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
                 torch.ops.xla.dynamo_set_buffer_donor_(t, True)
             return plain_step(x, y)
 
-    if backend == "lazy":  # plain torch_xla: one lazy graph per step, traced again every step
+    if backend.startswith("lazy"):  # plain torch_xla: one lazy graph per step, traced again every step
         compiled = step
     else:
         compiled = torch.compile(step, backend="openxla" if backend.startswith("openxla") else "donate_xla")
@@ -143,8 +154,8 @@ def plot(rows: list, path: str) -> None:
     fig, axes = plt.subplots(len(rows), len(ALLOCATORS), figsize=(6 * len(ALLOCATORS), 4 * len(rows)), squeeze=False)
     for ax_row, (model_name, floor, runs_by_allocator) in zip(axes, rows):
         for ax, allocator in zip(ax_row, ALLOCATORS):
-            for backend in BACKENDS:
-                r = runs_by_allocator[allocator][backend][0]
+            for backend, runs in runs_by_allocator[allocator].items():
+                r = runs[0]
                 ax.plot([t for t, _ in r["rss"]], [m / 2**20 for _, m in r["rss"]], label=backend)
             ax.axhline(floor / 2**20, color="gray", linestyle="--", label="floor (grads + saved activations)")
             ax.set_title(f"{model_name}, {allocator} allocator")
@@ -166,7 +177,7 @@ def print_table(model_name: str, runs_by_allocator: dict, floor: int, summary: l
     for allocator, runs in runs_by_allocator.items():
         figure = FIGURE[allocator]
         ref = summarize(runs["openxla"], figure)[0]
-        for backend in BACKENDS:
+        for backend in runs:
             growth, lo, hi = summarize(runs[backend], figure)
             step = summarize(glibc[backend], "step_s")[0]
             reused = summarize(runs[backend], "reused")[0]
@@ -187,6 +198,7 @@ def main() -> None:
 
     parser = bench_arguments(__doc__.splitlines()[0])
     parser.add_argument("--plot", default=os.path.join(DOCS, "donation_rss.png"))
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset of the rows")
     parser.set_defaults(repeats=3)
     args = parser.parse_args()
     if args.worker:
@@ -196,10 +208,15 @@ def main() -> None:
     from xla_common import run_repeated, write_json
 
     mib = lambda b: b / 2**20  # noqa: E731
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown or not {"donate_xla", "openxla"} <= set(backends):
+        parser.error(f"rows {backends}: donate_xla and openxla are needed (the floor, the ratios); "
+                     f"choose from {', '.join(BACKENDS)}")
     rows, summary = [], []
     for model_name in args.models.split(","):
         runs_by_allocator = {
-            allocator: run_repeated(__file__, model_name, BACKENDS, args.repeats, "--steps", str(args.steps), env=env)
+            allocator: run_repeated(__file__, model_name, backends, args.repeats, "--steps", str(args.steps), env=env)
             for allocator, env in ALLOCATORS.items()
         }
         first = runs_by_allocator["live"]["donate_xla"][0]
