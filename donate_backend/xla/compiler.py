@@ -18,7 +18,7 @@ import torch_xla
 from .. import config, report
 from ..analysis import aliasing, mutation
 from ..builds import BuildsPerSetting
-from . import compat, fallback, host, metrics, recompute
+from . import compat, fallback, host, metrics
 from . import spmd
 from .lower import LoweredGraph, input_shardings, lower, sharding_signature
 from .runtime import PerSignatureExecutable, StitchedExecutable, XlaExecutable
@@ -257,7 +257,7 @@ def compile_graph(gm, example_inputs, ctx):
                 donation_enabled=settings.donation,
                 stitched=stitch,
                 saved_bytes=saved_bytes(gm, ctx),
-                recompute_gated=len(recompute.gates(gm.graph)) if settings.order_recompute else 0,
+                recompute_gated=lowered.traced.recompute_gated if lowered.traced is not None else 0,
                 host_input_bytes=host_input_bytes(examples),
                 input_shapes=tuple(tuple(t.shape) for t in examples if isinstance(t, torch.Tensor)) if symbolic else None,
                 lowered=lowered,

@@ -131,7 +131,9 @@ def _lower_live(
         for i, source in spmd.inherited_shardings(gm, specs, shapes).items():
             shardings[i] = shardings[source]
     with traced_on_placeholders(gm, example_inputs, donors, graph_name, real_inputs) as live:
-        traced = dataclasses.replace(traced, constants_uploaded=live.constants_uploaded)
+        traced = dataclasses.replace(
+            traced, constants_uploaded=live.constants_uploaded, recompute_gated=live.recompute_gated
+        )
         plan = plan_results(live, live.outputs, to_host, graph_name, written_donors, host_values)
         try:
             if not plan.tensors:

@@ -314,6 +314,7 @@ class TracedGraph:
     inputs: tuple  # InputSpec per graph input (None for non-tensors)
     constants_uploaded: int = 0
     example_inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)  # fake
+    recompute_gated: int = 0  # recomputation roots traced behind a gate (recompute.py)
 
     @property
     def code(self) -> str:
@@ -353,6 +354,7 @@ class LiveTrace:
     constants_uploaded: int
     reals: list  # per input: the real device tensor a stand-in clones (SPMD), else None
     input_of_handle: dict = dataclasses.field(default_factory=dict)  # buffer handle -> input index
+    recompute_gated: int = 0  # recomputation roots traced behind a gate
 
     def data_read_by(self, tensors: Sequence[torch.Tensor]) -> tuple:
         """(tags, values, input index or None) of every device buffer the tensors'
@@ -427,7 +429,7 @@ def traced_on_placeholders(
         saved_flags = [compat.get_buffer_donation(holders[i]) for i in shared]
         gated = recompute.gates(gm.graph) if config.current().order_recompute else {}
         tracer = _PlaceholderTracer(gm, graph_name, torch_xla.device(), gated)
-        live = LiveTrace(holders, [], 0, reals, dict(zip(handles, tensor_inputs)))
+        live = LiveTrace(holders, [], 0, reals, dict(zip(handles, tensor_inputs)), len(gated))
         try:
             for i in donors:
                 compat.set_buffer_donation(holders[i], True)
