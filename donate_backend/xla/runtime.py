@@ -108,9 +108,9 @@ class _WrittenBuffers:
 _written = _WrittenBuffers()
 
 
-def donors_owning_their_buffers(tensors: Sequence[torch.Tensor], own: Sequence[int]) -> bool:
-    """True if each tensor's device data is tagged with its own id (``own``: the
-    tensors' ids), or with the tag of the buffer our write-back gave it.
+def donors_owning_their_buffers(tensors: Sequence[torch.Tensor], expected: Sequence[tuple]) -> bool:
+    """True if each tensor's device data is tagged with one of its ``expected`` tags:
+    its own id, or the tag of the buffer our write-back gave it (``expected_tags``).
 
     torch_xla tags a buffer with the tensor it was synced for: a tensor that
     copied another's buffer reads a buffer tagged with the other's id, and once
@@ -121,9 +121,13 @@ def donors_owning_their_buffers(tensors: Sequence[torch.Tensor], own: Sequence[i
     # tagged with their own ids
     tags, _ = compat.device_data_nodes(tensors, tensors)
     # each donor reads exactly one buffer, so the tags come in the tensors' order
-    return len(tags) == len(tensors) and all(
-        tag == own_id or tag == _written.get(t) for tag, own_id, t in zip(tags, own, tensors)
-    )
+    return len(tags) == len(tensors) and all(map(tuple.__contains__, expected, tags))
+
+
+def expected_tags(tensors: Sequence[torch.Tensor]) -> list[tuple]:
+    """Per tensor, the tags its buffer may carry: its own id and, after our
+    write-back, the tag of the result buffer it now reads."""
+    return [(own, _written.get(t)) for own, t in zip(compat.tensor_ids(tensors), tensors)]
 
 
 def donor_buffers_distinct(device_args: Sequence, donors: Sequence[int]) -> bool:
@@ -134,6 +138,8 @@ def donor_buffers_distinct(device_args: Sequence, donors: Sequence[int]) -> bool
     """
     tensors = [a for a in device_args if isinstance(a, torch.Tensor) and a.is_xla]
     identities = compat.buffer_identities(tensors)
+    if len(set(identities)) == len(identities):  # the usual case: no two share a buffer
+        return True
     counts = collections.Counter(identities)
     position = {id(t): k for k, t in enumerate(tensors)}
     return all(counts[identities[position[id(device_args[i])]]] == 1 for i in donors)
@@ -181,11 +187,11 @@ def donation_safe(
         return True
     # before the sync: a donor that copied another tensor's buffer; after it: a
     # donor whose buffer a live tensor copied
-    own = compat.tensor_ids(donor_tensors)
-    if not donors_owning_their_buffers(donor_tensors, own):
+    expected = expected_tags(donor_tensors)
+    if not donors_owning_their_buffers(donor_tensors, expected):
         return False
     _sync_live_aliases(device)
-    return donors_owning_their_buffers(donor_tensors, own)
+    return donors_owning_their_buffers(donor_tensors, expected)
 
 
 class XlaExecutable:
@@ -354,6 +360,8 @@ class XlaExecutable:
         executes nothing. The targets are not synced (a sync waits for the device);
         ``_written`` remembers whose buffer each now reads, for the ownership check.
         """
+        if not lowered.writebacks:
+            return
         on_device = []
         with torch.no_grad():
             for input_index, result_index in lowered.writebacks:
