@@ -7,6 +7,13 @@ eager (how most people start), and the whole step compiled (forward, backward
 and optimizer, so parameters and optimizer state are donated) under
 ``DONATE_XLA_ACTIVATION_BUDGET=0.5``, so the backward recomputes activations and
 their order is kept (xla/recompute.py). Losses and parameters must match eager.
+
+resnet18 amplifies any change of summation order (below), so how far a compiled
+XLA graph lands from eager depends on the CPU XLA compiles for: on one machine
+the third loss differed by 4.7e-4 (relative) and a parameter by 2.9e-3, for
+openxla exactly as for donate_xla. For it the tight reference is openxla, which
+compiles the same model with torch_xla's own bridge and donates nothing; eager
+gets a loose loss check only.
 """
 from __future__ import annotations
 
@@ -33,7 +40,12 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-4, atol=2.5 * LR)
 
 
-def _train(name: str, compile_how: str | None):
+# models whose compiled values are compared tightly with openxla's and loosely with eager's
+CHAOTIC = {"resnet18"}
+CHAOTIC_EAGER_LOSS_TOL = dict(rtol=5e-3, atol=1e-6)
+
+
+def _train(name: str, compile_how: str | None, backend: str = "donate_xla"):
     real = MODELS[name]
     device = torch_xla.device()
     model = real.build().to(device)
@@ -47,7 +59,7 @@ def _train(name: str, compile_how: str | None):
         return loss
 
     if compile_how == "model":
-        compiled = torch.compile(model, backend="donate_xla")
+        compiled = torch.compile(model, backend=backend)
         run = lambda batch: step(compiled, batch)  # noqa: E731
     elif compile_how == "step":
         run = torch.compile(lambda batch: step(model, batch), backend="donate_xla")
@@ -69,6 +81,12 @@ def test_real_model_trains_like_eager_on_xla(name, compile_how):
     if not available(name):
         pytest.skip(f"{MODELS[name].package} is not installed")
     eager_losses, eager_params = _train(name, None)
+    ref_losses, ref_params = eager_losses, eager_params
+    if name in CHAOTIC:
+        assert compile_how == "model"
+        torch._dynamo.reset()
+        ref_losses, ref_params = _train(name, "model", backend="openxla")
+        torch.testing.assert_close(ref_losses, eager_losses, **CHAOTIC_EAGER_LOSS_TOL)
     torch._dynamo.reset()
     donate_backend.clear_reports()
     with config.patch(activation_budget=0.5 if compile_how == "step" else 1.0):
@@ -78,6 +96,6 @@ def test_real_model_trains_like_eager_on_xla(name, compile_how):
     if compile_how == "step":
         assert any(r.recompute_gated for r in records if r.kind == "backward")
         assert any(r.donated for r in records)
-    torch.testing.assert_close(losses, eager_losses, **LOSS_TOL)
-    for n, p in eager_params.items():
+    torch.testing.assert_close(losses, ref_losses, **LOSS_TOL)
+    for n, p in ref_params.items():
         torch.testing.assert_close(params[n], p, **PARAM_TOL, msg=lambda m: f"{name} parameter {n}: {m}")
