@@ -117,10 +117,23 @@ def donors_owning_their_buffers(tensors: Sequence[torch.Tensor], expected: Seque
     that copy is synced (``_sync_live_aliases``) the buffer is tagged with the
     copy's id, so the original fails this.
     """
-    # passing the tensors back keeps torch_xla from wrapping (and re-tagging) buffers
-    # tagged with their own ids
+    # passing the tensors back keeps torch_xla from wrapping their buffers in new tensors
     tags, _ = compat.device_data_nodes(tensors, tensors)
-    # each donor reads exactly one buffer, so the tags come in the tensors' order
+    return _tagged_as_expected(tags, tensors, expected)
+
+
+def owned_donor_buffers(tensors: Sequence[torch.Tensor], expected: Sequence[tuple]) -> Optional[list]:
+    """``donors_owning_their_buffers``, returning new tensors on the donors' buffers
+    (None if a donor fails it): the same torch_xla call gives both, and the caller
+    holds them while the buffers are donated (``XlaExecutable._choose_variant``).
+    Wrapping a buffer does not re-tag it."""
+    tags, wrappers = compat.device_data_nodes(tensors)
+    return wrappers if _tagged_as_expected(tags, tensors, expected) else None
+
+
+def _tagged_as_expected(tags: Sequence[int], tensors: Sequence, expected: Sequence[tuple]) -> bool:
+    # each donor reads exactly one buffer (torch_xla lists a buffer once), so the
+    # tags come in the tensors' order
     return len(tags) == len(tensors) and all(map(tuple.__contains__, expected, tags))
 
 
@@ -166,12 +179,14 @@ def _donors_passed_twice(args: Sequence, donors: Sequence[int]) -> bool:
     return any(counts[id(args[i])] > 1 for i in donors)
 
 
-def donation_safe(
+def donatable_buffers(
     args: Sequence, device_args: Sequence, donors: Sequence[int], trust_tags: bool, device
-) -> bool:
-    """Whether every donor of this call can be donated: not passed twice, not a view,
-    its buffer held by no other argument and owned by it before and after live lazy
-    clones get buffers of their own (see ``donors_owning_their_buffers``).
+) -> Optional[list]:
+    """None if some donor cannot be donated now: it is passed twice, is a view, its
+    buffer is held by another argument, or it does not own its buffer before or
+    after live lazy clones get buffers of their own (``donors_owning_their_buffers``).
+    Else new tensors on the donors' buffers, for the caller to hold while they are
+    donated.
 
     Run per call: between two calls the program can copy a donor, view it or
     clone it lazily. Each part is one pass over the arguments and at most one
@@ -179,19 +194,19 @@ def donation_safe(
     """
     donor_tensors = [device_args[i] for i in donors]
     if _donors_passed_twice(args, donors) or not all(has_identity_storage(t) for t in donor_tensors):
-        return False
+        return None
     if not donor_buffers_distinct(device_args, donors):
-        return False
+        return None
     if not trust_tags:
         _sync_live_aliases(device)
-        return True
+        return compat.device_data_nodes(donor_tensors)[1]
     # before the sync: a donor that copied another tensor's buffer; after it: a
     # donor whose buffer a live tensor copied
     expected = expected_tags(donor_tensors)
     if not donors_owning_their_buffers(donor_tensors, expected):
-        return False
+        return None
     _sync_live_aliases(device)
-    return donors_owning_their_buffers(donor_tensors, expected)
+    return owned_donor_buffers(donor_tensors, expected)
 
 
 class XlaExecutable:
@@ -216,7 +231,7 @@ class XlaExecutable:
         self.calls_without_donation = 0  # calls where a donor shared its buffer
         self.last_call: Optional[LoweredGraph] = None  # the variant the last call ran
         self._checked: set = set()  # hashes whose results were checked against the plan
-        self._held: list = []  # handles of the buffers the last call donated (_hold_donated)
+        self._held: list = []  # tensors on the buffers the last call donated (see run)
         # Lowering on the real buffers (SPMD) re-tags them with torch_xla's temporary
         # wrappers, so the first call cannot read ownership from the tags; its
         # write-back tags them again.
@@ -233,10 +248,9 @@ class XlaExecutable:
 
     def run(self, args: list, device_args: list):
         """One call, given the arguments already on the device (``materialized_device_args``)."""
-        lowered = self._choose_variant(args, device_args)
+        lowered, held = self._choose_variant(args, device_args)
         self.last_call = lowered
         results = []
-        held = self._hold_donated(lowered, device_args)
         if lowered.graph_hash is not None:
             lowered, results = self._run(lowered, device_args)
         on_host = self._host_values(args) if self._host_values is not None else ()
@@ -250,20 +264,6 @@ class XlaExecutable:
             on_host[slot.index] if slot.kind == "host" else self._output(slot, args, results)
             for slot in lowered.outputs
         ]
-
-    @staticmethod
-    def _hold_donated(lowered: LoweredGraph, device_args: list) -> list:
-        """Keep the donated buffers' torch_xla handles until the next call.
-
-        The write-back replaces each donor's buffer; if that dropped the last
-        handle of a buffer an in-flight execution was given as a donor, torch_xla
-        would wait for the execution (the whole step). The handles of donated
-        buffers hold no memory (XLA reuses it); they are let go one call later.
-        """
-        donors = [device_args[i] for i in lowered.donors if device_args[i].is_xla]
-        if not donors:
-            return []
-        return compat.device_data_nodes(donors)[1]
 
     def _plain_variant(self, device_args: list) -> LoweredGraph:
         if self._without_donation is None:
@@ -297,15 +297,24 @@ class XlaExecutable:
             self._with_flagged[flagged] = self._relower(True, device_args, flagged)
         return self._with_flagged[flagged]
 
-    def _choose_variant(self, args: list, device_args: list) -> LoweredGraph:
-        """The donating graph if every donor is safe to donate now, else the plain one."""
+    def _choose_variant(self, args: list, device_args: list) -> tuple:
+        """(the donating graph, tensors on the buffers it donates) if every donor is
+        safe to donate now, else (the plain graph, []).
+
+        The caller keeps those tensors until its next call: the write-back replaces
+        each donor's buffer, and if that dropped the last handle of a buffer an
+        in-flight execution was given as a donor, torch_xla would wait for the
+        execution (the whole step). Handles of donated buffers hold no memory (XLA
+        reuses it).
+        """
         flagged = self._flagged_inputs(device_args)
         lowered = self._variant_with_flagged(flagged, device_args) if flagged else self.lowered
         if not lowered.donors:
-            return lowered
+            return lowered, []
         trust_tags, self._tags_untrusted = not self._tags_untrusted, False
-        if donation_safe(args, device_args, lowered.donors, trust_tags, self.device):
-            return lowered
+        held = donatable_buffers(args, device_args, lowered.donors, trust_tags, self.device)
+        if held is not None:
+            return lowered, held
         self.calls_without_donation += 1
         if self.calls_without_donation == 1:
             log.info(
@@ -313,7 +322,7 @@ class XlaExecutable:
                 "tensor (a copy_, a view, or passed twice)",
                 self.graph_name,
             )
-        return self._plain_variant(device_args)
+        return self._plain_variant(device_args), []
 
     def _param_values(self, lowered: LoweredGraph, device_args: list) -> list:
         values = []
