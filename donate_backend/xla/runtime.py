@@ -231,7 +231,7 @@ class XlaExecutable:
         self.calls_without_donation = 0  # calls where a donor shared its buffer
         self.last_call: Optional[LoweredGraph] = None  # the variant the last call ran
         self._checked: set = set()  # hashes whose results were checked against the plan
-        self._held: list = []  # tensors on the buffers the last call donated (see run)
+        self._held: list = []  # tensors on the buffers the last call donated (_choose_variant)
         # Lowering on the real buffers (SPMD) re-tags them with torch_xla's temporary
         # wrappers, so the first call cannot read ownership from the tags; its
         # write-back tags them again.
