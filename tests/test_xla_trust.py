@@ -340,3 +340,61 @@ def test_a_lowering_that_changes_an_outputs_shape_is_refused(monkeypatch):
     f = torch.compile(lambda x: x.amax() * 2, backend="donate_xla")
     with pytest.raises(Exception, match=r"computed output 'mul' with shape \[3, 4\], but torch says \[\]"):
         f(torch.randn(3, 4).to(torch_xla.device()))
+
+
+def test_eval_mode_batch_norm_with_trainable_weights():
+    """Fine-tuning with frozen BatchNorm statistics (``model.eval()``, weights still
+    trained): aot_autograd saves BatchNorm's mean and inverse std as ``[C]`` values
+    for the backward (torch's definition off the CPU), and torch_xla 2.9 returns
+    empty ones. donate_xla refused the graph (resnet18 in eval mode without
+    ``no_grad`` failed to compile); it now saves what torch defines. Trained
+    against the CPU, the running statistics untouched."""
+
+    def program(device, compile_):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+            torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 4),
+        )
+        with torch.no_grad():  # running statistics that are not the defaults
+            model[1].running_mean.uniform_(-0.5, 0.5)
+            model[1].running_var.uniform_(0.5, 2.0)
+        model = model.eval().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+        def f(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        cf = compile_(f)
+
+        def step(i):
+            g = torch.Generator().manual_seed(200 + i)
+            x, y = torch.randn(5, 3, 8, 8, generator=g), torch.randn(5, 4, generator=g)
+            return cf(x.to(device), y.to(device))
+
+        return step, lambda: list(model.parameters()) + list(model.buffers())
+
+    run_against_eager(program)
+
+
+def test_resnet18_in_eval_mode_without_no_grad():
+    """torch_xla's own test_dynamo.py compiles resnet18 in eval mode without
+    ``no_grad``; the forward graph then saves BatchNorm statistics for a backward."""
+    torchvision = pytest.importorskip("torchvision")
+
+    def program(device, compile_):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=10).eval().to(device)
+        cf = compile_(model)
+
+        def step(i):
+            g = torch.Generator().manual_seed(300 + i)
+            return cf(torch.randn(2, 3, 32, 32, generator=g).to(device))
+
+        return step, lambda: list(model.buffers())
+
+    run_against_eager(program, steps=2)

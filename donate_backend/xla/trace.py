@@ -18,6 +18,7 @@ import dataclasses
 from typing import Iterator, Optional, Sequence
 
 import torch
+import torch._decomp
 import torch.fx
 import torch_xla
 
@@ -75,6 +76,51 @@ def with_every_dim(target, args: tuple, kwargs: dict) -> tuple:
     if len(args) > position:
         return args[:position] + (every,) + args[position + 1:], kwargs
     return args, {**kwargs, "dim": every}
+
+
+def batch_norm_stats_as_torch(target, args: tuple, out):
+    """``out`` of ``_native_batch_norm_legit_no_training`` with the saved mean and
+    inverse std torch defines for a non-CPU device (the running mean and
+    ``rsqrt(running_var + eps)``, in the computation dtype) where torch_xla 2.9
+    returns empty tensors; anything else unchanged.
+
+    aot_autograd's graph says the forward saves ``[C]``-shaped values for the
+    backward (an eval-mode BatchNorm with trainable parameters), so the empty
+    ones would not fit the backward's inputs. That backward runs torch's
+    decomposition (``eval_batch_norm_backward``).
+    """
+    if target is not _aten._native_batch_norm_legit_no_training.default:
+        return out
+    output, save_mean, save_invstd = out
+    if save_mean.numel() != 0 or len(args) < 7:
+        return out
+    running_mean, running_var, eps = args[3], args[4], args[6]
+    dtype = torch.float32 if output.dtype in (torch.float16, torch.bfloat16) else output.dtype
+    return output, running_mean.to(dtype), torch.rsqrt(running_var.to(dtype) + eps)
+
+
+def eval_batch_norm_backward(target, args: tuple, kwargs: dict):
+    """torch's decomposition of ``native_batch_norm_backward`` when ``train`` is
+    False, else None.
+
+    torch_xla 2.9 ignores ``train``: XLA's BatchNormGrad always differentiates
+    through the batch's statistics, a silently wrong input gradient for an
+    eval-mode BatchNorm (eager torch_xla and openxla fail before that, on the
+    empty saved statistics). The decomposition uses the running statistics.
+    """
+    if target is not _aten.native_batch_norm_backward.default:
+        return None
+    train = args[7] if len(args) > 7 else kwargs.get("train", True)
+    if train:
+        return None
+    decomposition = torch._decomp.decomposition_table.get(target)
+    if decomposition is None:
+        raise UnsupportedGraphError(
+            "donate_xla: an eval-mode BatchNorm's backward needs torch's decomposition of "
+            "native_batch_norm_backward, which this torch lacks (torch_xla's own computes a "
+            "wrong gradient). Keep the BatchNorm in training mode or freeze its parameters."
+        )
+    return decomposition(*args, **kwargs)
 
 
 _HOST_READ_OPS = {
@@ -253,7 +299,10 @@ class _PlaceholderTracer(torch.fx.Interpreter):
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
             kwargs = {**kwargs, "device": self.device}
         args, kwargs = with_every_dim(target, tuple(args), kwargs)
-        return super().call_function(target, args, kwargs)
+        decomposed = eval_batch_norm_backward(target, args, kwargs)
+        if decomposed is not None:
+            return decomposed
+        return batch_norm_stats_as_torch(target, args, super().call_function(target, args, kwargs))
 
     def get_attr(self, target, args, kwargs):
         value = super().get_attr(target, args, kwargs)
