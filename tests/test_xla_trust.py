@@ -398,3 +398,20 @@ def test_resnet18_in_eval_mode_without_no_grad():
         return step, lambda: list(model.buffers())
 
     run_against_eager(program, steps=2)
+
+
+def test_eval_mode_batch_norm_backward_without_torchs_decomposition_is_refused(monkeypatch):
+    """Without torch's decomposition (a private table) torch_xla's wrong gradient is
+    not used: the graph is refused with a message that says what to do."""
+    from donate_backend.xla import compat
+
+    monkeypatch.setattr(compat, "decomposition", lambda op: None)
+    device = torch_xla.device()
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval().to(device)
+
+    @torch.compile(backend="donate_xla")
+    def f(x):
+        model(x).sum().backward()
+
+    with pytest.raises(Exception, match="eval-mode BatchNorm's backward needs torch's decomposition"):
+        f(torch.randn(2, 3, 6, 6).to(device))

@@ -316,3 +316,14 @@ def base_seed_tensor(device: torch.device) -> torch.Tensor:
 
 def rng_seed() -> int:
     return int(_required("_xla_get_rng_seed")())
+
+
+# -- torch -------------------------------------------------------------------------------
+
+def decomposition(op: torch._ops.OpOverload):
+    """torch's Python decomposition of ``op`` (``torch._decomp``, private), or None."""
+    try:
+        from torch._decomp import decomposition_table
+    except ImportError:
+        return None
+    return decomposition_table.get(op)

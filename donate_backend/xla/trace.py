@@ -18,7 +18,6 @@ import dataclasses
 from typing import Iterator, Optional, Sequence
 
 import torch
-import torch._decomp
 import torch.fx
 import torch_xla
 
@@ -113,7 +112,7 @@ def eval_batch_norm_backward(target, args: tuple, kwargs: dict):
     train = args[7] if len(args) > 7 else kwargs.get("train", True)
     if train:
         return None
-    decomposition = torch._decomp.decomposition_table.get(target)
+    decomposition = compat.decomposition(target)
     if decomposition is None:
         raise UnsupportedGraphError(
             "donate_xla: an eval-mode BatchNorm's backward needs torch's decomposition of "
