@@ -132,9 +132,9 @@ def _state_tensors(opt) -> list:
     return out
 
 
-def train(case: Case, backend: Optional[str], steps: int = 5, seed: int = 0) -> RunResult:
-    """Train ``steps`` steps on the XLA device, eagerly (backend None) or compiled."""
-    device = torch_xla.device()
+def train(case: Case, backend: Optional[str], steps: int = 5, seed: int = 0, device=None) -> RunResult:
+    """Train ``steps`` steps on the XLA device (or ``device``), eagerly (backend None) or compiled."""
+    device = torch_xla.device() if device is None else torch.device(device)
     torch.manual_seed(seed)
     model = case.make_model().to(device)
     opt = case.make_optimizer(list(model.parameters()))
@@ -146,7 +146,8 @@ def train(case: Case, backend: Optional[str], steps: int = 5, seed: int = 0) -> 
     for _ in range(steps):
         x, y = case.make_batch(g)
         loss = step(x.to(device), y.to(device))
-        torch_xla.sync()
+        if device.type == "xla":
+            torch_xla.sync()
         losses.append(float(loss.cpu()))
     return RunResult(
         losses=losses,

@@ -77,25 +77,37 @@ def with_every_dim(target, args: tuple, kwargs: dict) -> tuple:
     return args, {**kwargs, "dim": every}
 
 
-def batch_norm_stats_as_torch(target, args: tuple, out):
-    """``out`` of ``_native_batch_norm_legit_no_training`` with the saved mean and
-    inverse std torch defines for a non-CPU device (the running mean and
-    ``rsqrt(running_var + eps)``, in the computation dtype) where torch_xla 2.9
-    returns empty tensors; anything else unchanged.
+def batch_norm_as_torch(target, args: tuple, out):
+    """``out`` of a BatchNorm op, with what torch defines where torch_xla 2.9
+    computes something else; anything else unchanged.
 
-    aot_autograd's graph says the forward saves ``[C]``-shaped values for the
-    backward (an eval-mode BatchNorm with trainable parameters), so the empty
-    ones would not fit the backward's inputs. That backward runs torch's
-    decomposition (``eval_batch_norm_backward``).
+    - ``_native_batch_norm_legit_functional`` in training: the new running
+      variance takes the batch's *unbiased* variance (torch_xla: the biased one,
+      in eager mode too: a running variance off by a factor (n-1)/n per update).
+    - ``_native_batch_norm_legit_no_training``: the saved mean and inverse std are
+      the running mean and ``rsqrt(running_var + eps)``, in the computation dtype,
+      as torch defines them off the CPU (torch_xla: empty tensors). aot_autograd's
+      graph saves these ``[C]`` values for the backward of an eval-mode BatchNorm
+      with trainable parameters, so empty ones would not fit the backward's
+      inputs; that backward runs torch's decomposition (``eval_batch_norm_backward``).
     """
-    if target is not _aten._native_batch_norm_legit_no_training.default:
-        return out
-    output, save_mean, save_invstd = out
-    if save_mean.numel() != 0 or len(args) < 7:
-        return out
-    running_mean, running_var, eps = args[3], args[4], args[6]
-    dtype = torch.float32 if output.dtype in (torch.float16, torch.bfloat16) else output.dtype
-    return output, running_mean.to(dtype), torch.rsqrt(running_var.to(dtype) + eps)
+    if target is _aten._native_batch_norm_legit_functional.default and len(args) >= 8 and args[5]:
+        x, running_var, momentum = args[0], args[4], args[6]
+        var = x.to(_computation_dtype(x.dtype)).var([d for d in range(x.dim()) if d != 1], correction=1)
+        new_running_var = (running_var * (1 - momentum) + var * momentum).to(running_var.dtype)
+        return (*out[:4], new_running_var)
+    if target is _aten._native_batch_norm_legit_no_training.default and len(args) >= 7:
+        output, save_mean, _ = out
+        if save_mean.numel() != 0:
+            return out
+        running_mean, running_var, eps = args[3], args[4], args[6]
+        dtype = _computation_dtype(output.dtype)
+        return output, running_mean.to(dtype), torch.rsqrt(running_var.to(dtype) + eps)
+    return out
+
+
+def _computation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def eval_batch_norm_backward(target, args: tuple, kwargs: dict):
@@ -301,7 +313,7 @@ class _PlaceholderTracer(torch.fx.Interpreter):
         decomposed = eval_batch_norm_backward(target, args, kwargs)
         if decomposed is not None:
             return decomposed
-        return batch_norm_stats_as_torch(target, args, super().call_function(target, args, kwargs))
+        return batch_norm_as_torch(target, args, super().call_function(target, args, kwargs))
 
     def get_attr(self, target, args, kwargs):
         value = super().get_attr(target, args, kwargs)
