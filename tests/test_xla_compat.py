@@ -138,3 +138,21 @@ def test_a_failed_run_is_not_taken_for_an_eviction_while_the_cache_was_never_ful
     monkeypatch.setattr(torch_xla._XLAC, "_run_cached_graph", evicted)
     with pytest.raises(donate_backend.DonateXlaError, match=r"graph \d+ inference: running the compiled graph failed"):
         f(x)
+
+
+def test_a_missing_computation_builder_is_named(xla_device, monkeypatch):
+    a = _some_xla_tensor()
+    inner = xla_builder.create_computation("sub", lambda x, y: x - y, [xla_builder.tensor_shape(a)] * 2)
+    monkeypatch.delattr(xla_builder, "create_computation")
+    with pytest.raises(compat.MissingXlaApiError, match="create_computation"):
+        compat.reordered_computation(inner, [a, a], (1, 0), "sub")
+
+
+def test_a_reordered_computation_takes_its_operands_in_the_new_order(xla_device):
+    a = torch.tensor([5.0, 7.0]).to(xla_device)
+    b = torch.tensor([1.0, 2.0]).to(xla_device)
+    shape = xla_builder.tensor_shape(a)
+    inner = xla_builder.create_computation("sub", lambda x, y: x - y, [shape, shape])
+    reordered = compat.reordered_computation(inner, [a, b], (1, 0), "sub_reordered")
+    (result,) = compat.user_computation("test::sub_reordered", [b, a], reordered)
+    assert result.cpu().tolist() == [4.0, 5.0]  # a - b, not b - a

@@ -256,6 +256,29 @@ def computation(tensors: Sequence[torch.Tensor], name: str) -> tuple:
     return from_proto(name, context.hlo()), signature
 
 
+def reordered_computation(computation, inputs: Sequence[torch.Tensor], order: Sequence[int], name: str):
+    """A computation whose parameter ``j`` is ``computation``'s parameter ``order[j]``
+    (shaped like ``inputs[order[j]]``), calling ``computation``; call it on
+    ``[inputs[k] for k in order]``. XLA inlines the call."""
+    import torch_xla.core.xla_builder as xla_builder
+
+    needed = ("create_computation", "tensor_shape", "Op")
+    if not all(hasattr(xla_builder, attribute) for attribute in needed):
+        raise MissingXlaApiError(
+            f"donate_xla: torch_xla.core.xla_builder lacks one of {', '.join(needed)}; "
+            f"donate_xla is built for {BUILT_FOR}."
+        )
+    shapes = [xla_builder.tensor_shape(inputs[k]) for k in order]
+
+    def call_in_original_order(*params):
+        operands = [None] * len(params)
+        for j, k in enumerate(order):
+            operands[k] = params[j]
+        return xla_builder.Op.call(computation, operands)
+
+    return xla_builder.create_computation(name, call_in_original_order, shapes)
+
+
 def user_computation(name: str, inputs: list, computation) -> list:
     """Lazy tensors for the results of calling ``computation`` on ``inputs``: IR only,
     nothing runs until something syncs them."""
