@@ -19,12 +19,15 @@ so RSS is device memory. Every configuration runs under two allocator settings:
 Also reported: state buffers reused per step (parameters and optimizer-state
 tensors whose new device address is one of the old ones; buffer-donor semantics
 let XLA give a parameter the old buffer of a same-shaped momentum, so sets are
-compared) and the median step time (from the glibc runs).
+compared), how many of them got their own buffer back (XLA pairs donated buffers
+with same-sized results in parameter order, so two state tensors can swap buffers,
+which costs a copy of each) and the median step time (from the glibc runs).
 Rows: donate_xla (separate forward, backward and optimizer executables),
 donate_xla_stitch (DONATE_XLA_STITCH=1: they run as one lazy whole-step graph),
 donate_xla_budget (DONATE_XLA_ACTIVATION_BUDGET=0.1: recompute instead of saving
 most activations), donate_xla_budget_0.45 (DONATE_XLA_ACTIVATION_BUDGET=0.45: a bit
-under half the activations saved, cheap ones recomputed), donate_xla_budget_sched (budget
+under half the activations saved, cheap ones recomputed), donate_xla_stitch_budget_0.45 (both
+switches), donate_xla_budget_sched (budget
 0.1 with XLA's memory-minimising CPU scheduler,
 XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false), openxla, openxla
 with every state buffer flagged for donation by hand, lazy (plain torch_xla: no torch.compile, torch_xla.sync() per step) and
@@ -45,7 +48,8 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 BACKENDS = (
-    "donate_xla", "donate_xla_stitch", "donate_xla_budget", "donate_xla_budget_0.45", "donate_xla_budget_sched",
+    "donate_xla", "donate_xla_stitch", "donate_xla_budget", "donate_xla_budget_0.45", "donate_xla_stitch_budget_0.45",
+    "donate_xla_budget_sched",
     "openxla", "openxla_flagged", "lazy", "lazy_sched",
 )
 MEMORY_SCHEDULER = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
@@ -54,6 +58,7 @@ VARIANTS = {
     "donate_xla_stitch": {"DONATE_XLA_STITCH": "1"},
     "donate_xla_budget": {"DONATE_XLA_ACTIVATION_BUDGET": "0.1"},
     "donate_xla_budget_0.45": {"DONATE_XLA_ACTIVATION_BUDGET": "0.45"},
+    "donate_xla_stitch_budget_0.45": {"DONATE_XLA_STITCH": "1", "DONATE_XLA_ACTIVATION_BUDGET": "0.45"},
     "donate_xla_budget_sched": {"DONATE_XLA_ACTIVATION_BUDGET": "0.1", **MEMORY_SCHEDULER},
     "lazy_sched": MEMORY_SCHEDULER,
 }
@@ -121,7 +126,8 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
     for _ in range(2):  # compile every graph and create the optimizer state
         run_step()
     state = state_tensors(model, opt)
-    before_ptrs = {XLAC._unsafe_buffer_pointer(t) for t in state}
+    before = [XLAC._unsafe_buffer_pointer(t) for t in state]
+    before_ptrs = set(before)
     times = []
     rss_before = current_rss()
     with RssSampler() as sampler:
@@ -132,6 +138,7 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
             if i == 0:
                 after_ptrs = [XLAC._unsafe_buffer_pointer(t) for t in state_tensors(model, opt)]
     reused = sum(p in before_ptrs for p in after_ptrs)
+    own = sum(a == b for a, b in zip(before, after_ptrs))
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return dict(
         model=model_name,
@@ -140,6 +147,7 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
         transient=sampler.peak - sampler.trough,
         state_buffers=len(state),
         reused=reused,
+        own=own,
         step_s=median(times),
         grad_bytes=grad_bytes,
         saved_bytes=saved_activations_of_compiled_backwards() if backend.startswith("donate_xla") else None,
@@ -176,7 +184,7 @@ def print_table(model_name: str, runs_by_allocator: dict, floor: int, summary: l
     glibc = runs_by_allocator["glibc"]
     ref_step = summarize(glibc["openxla"], "step_s")[0]
     print(f"{'backend':24}{'allocator':>10}{'growth MiB':>24}{'x openxla':>11}{'x floor':>9}"
-          f"{'reused/state':>14}{'step s':>9}{'x openxla':>11}")
+          f"{'reused/state':>14}{'own':>5}{'step s':>9}{'x openxla':>11}")
     for allocator, runs in runs_by_allocator.items():
         figure = FIGURE[allocator]
         ref = summarize(runs["openxla"], figure)[0]
@@ -184,15 +192,16 @@ def print_table(model_name: str, runs_by_allocator: dict, floor: int, summary: l
             growth, lo, hi = summarize(runs[backend], figure)
             step = summarize(glibc[backend], "step_s")[0]
             reused = summarize(runs[backend], "reused")[0]
+            own = summarize(runs[backend], "own")[0]
             state = runs[backend][0]["state_buffers"]
             print(
                 f"{backend:24}{allocator:>10}{mib(growth):>8.1f} [{mib(lo):>5.0f}-{mib(hi):<5.0f}]"
-                f"{growth / ref:>11.2f}{growth / floor:>9.2f}{reused:>8.0f}/{state:<5d}"
+                f"{growth / ref:>11.2f}{growth / floor:>9.2f}{reused:>8.0f}/{state:<5d}{own:>5.0f}"
                 f"{step:>9.3f}{step / ref_step:>11.2f}"
             )
             summary.append(dict(model=model_name, backend=backend, allocator=allocator, growth=growth,
                                 growth_min=lo, growth_max=hi, x_openxla=growth / ref, x_floor=growth / floor,
-                                step_s=step, x_openxla_step=step / ref_step, reused=reused,
+                                step_s=step, x_openxla_step=step / ref_step, reused=reused, own=own,
                                 state_buffers=state, floor=floor))
 
 
