@@ -21,6 +21,8 @@ FEATURES = {
     "returns a detach": r"return \(.*\.detach\(\)",
     "returns a view": r"return \(.*(\.t\(\)|\[0\]|\.view\(-1\))",
     "returns a reduction": r"return \(.*\.sum\(\)",
+    "BatchNorm": r"S\.bn\(",
+    "layer or group norm": r"F\.(layer|group)_norm\(",
 }
 
 
@@ -35,6 +37,8 @@ def _source_features(scenario) -> set:
         found.add("tied weights")
     if scenario.args:
         found.add("tensors passed as arguments")
+    if scenario.eval_calls and "S.bn(" in text:
+        found.add("BatchNorm called in eval mode")
     return found
 
 
@@ -48,6 +52,7 @@ def test_the_generator_covers_what_users_write():
         "two backward phases in one function",
         "tied weights",
         "tensors passed as arguments",
+        "BatchNorm called in eval mode",
     }
     assert expected <= seen, expected - seen
 

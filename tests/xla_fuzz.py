@@ -6,7 +6,9 @@ extra tensors passed as arguments) and one to three functions written as
 Python source, the way users write training code:
 
 - forward passes with tensor literals made inside the function, slices,
-  ``torch.where`` and in-place ops on intermediates;
+  ``torch.where`` and in-place ops on intermediates; normalization layers
+  (BatchNorm with running statistics, switched between train and eval mode
+  between calls; layer and group norm);
 - ``no_grad`` regions that update buffers (EMA), copy one input into another
   (target-network hard updates, staging a batch), or write literals;
 - one or two backward/optimizer phases per function (GAN-style), manual SGD,
@@ -64,9 +66,10 @@ class Scenario:
     args: list  # (name, shape) of the extra tensors passed as arguments
     functions: list  # (name, source)
     calls: list  # function index per step
+    eval_calls: frozenset = frozenset()  # steps that run with the state in eval mode
 
     def source(self) -> str:
-        parts = [f"# seed {self.seed}; tied W1 is W0: {self.tied}"]
+        parts = [f"# seed {self.seed}; tied W1 is W0: {self.tied}; eval mode at steps {sorted(self.eval_calls)}"]
         parts += [f"opts[{k}] = {expr}" for k, expr in enumerate(self.optimizers)]
         parts += [f"# args: {self.args}"]
         parts += [src for _, src in self.functions]
@@ -77,8 +80,9 @@ class Scenario:
 class _Body:
     """Builds one function's statements, tracking the values in scope."""
 
-    def __init__(self, rng: random.Random, args: list, n_opts: int):
+    def __init__(self, rng: random.Random, args: list, n_opts: int, norm_rng: Optional[random.Random] = None):
         self.rng = rng
+        self.norm_rng = norm_rng  # own stream: the other choices stay those of the seed without norms
         self.lines: list[str] = []
         self.acts: list[str] = ["x"]  # (N, D) values in the current grad region
         self.uses: dict[str, set] = {"x": set()}  # parameters each value depends on
@@ -144,6 +148,28 @@ class _Body:
             self.emit(f"{out} = torch.where({src} > 0, {src}, {other} * 0.1)")
             used |= self.uses[other]
         self.uses[out] = used
+        self.acts.append(out)
+        self.returnable.append(out)
+        if self.norm_rng is not None and self.norm_rng.random() < 0.35:
+            self.normalize(out)
+
+    def normalize(self, src: str) -> None:
+        """A norm layer, then an activation as in real models: a loss of normalized values
+        alone, like their mean square, does not depend on the input, and its gradient is
+        rounding noise that no two implementations agree on."""
+        out = self.fresh("n")
+        kind = self.norm_rng.randrange(3)
+        act = self.norm_rng.choice(["torch.tanh", "torch.sigmoid", "F.gelu"])
+        if kind == 0:  # batch statistics in train mode (and running ones updated), running ones in eval
+            self.emit(f"{out} = {act}(S.bn({src}))")
+            used = {"bn.weight", "bn.bias"}
+        elif kind == 1:
+            self.emit(f"{out} = {act}(F.layer_norm({src}, ({D},), S.ln_w, S.ln_b))")
+            used = {"ln_w", "ln_b"}
+        else:
+            self.emit(f"{out} = {act}(F.group_norm({src}, {self.norm_rng.choice([2, 3])}, S.ln_w, S.ln_b))")
+            used = {"ln_w", "ln_b"}
+        self.uses[out] = self.uses[src] | used
         self.acts.append(out)
         self.returnable.append(out)
 
@@ -235,9 +261,11 @@ def generate(seed: int) -> Scenario:
             )
         )
     args = [(f"a{k}", rng.choice([(N, D), (D,)])) for k in range(rng.randint(0, 2))]
+    norm_rng = random.Random(seed * 31 + 7)
+    norms = norm_rng.random() < 0.5
     functions = []
     for f in range(rng.randint(1, 3)):
-        body = _Body(rng, args, len(optimizers))
+        body = _Body(rng, args, len(optimizers), norm_rng if norms else None)
         inference = rng.random() < 0.3  # the whole function under no_grad
         for _ in range(rng.randint(1, 2)):  # one or two phases
             for _ in range(rng.randint(1, 4)):
@@ -255,7 +283,8 @@ def generate(seed: int) -> Scenario:
         signature = ", ".join(["x", "y"] + [name for name, _ in args])
         functions.append((f"f{f}", f"def f{f}({signature}):\n" + "\n".join(body.lines)))
     calls = [rng.randrange(len(functions)) for _ in range(rng.randint(3, 5))]
-    return Scenario(seed, tied, optimizers, args, functions, calls)
+    eval_calls = frozenset(k for k in range(len(calls)) if norms and norm_rng.random() < 0.3)
+    return Scenario(seed, tied, optimizers, args, functions, calls, eval_calls)
 
 
 # -- running -----------------------------------------------------------------------------
@@ -276,6 +305,13 @@ class State(torch.nn.Module):
         self.register_buffer("M0", make(D, D, scale=0.3))
         self.register_buffer("v0", make(D))
         self.register_buffer("v1", make(D))
+        # normalization (drawn after the rest, so the tensors above stay those of the seed)
+        self.bn = torch.nn.BatchNorm1d(D, momentum=0.3).to(device)
+        with torch.no_grad():
+            self.bn.weight.copy_(make(D, scale=0.2) + 1)
+            self.bn.bias.copy_(make(D, scale=0.1))
+        self.ln_w = torch.nn.Parameter(make(D, scale=0.2) + 1)
+        self.ln_b = torch.nn.Parameter(make(D, scale=0.1))
 
 
 @dataclasses.dataclass
@@ -329,6 +365,7 @@ def run(scenario: Scenario, device: torch.device, compiled, backend: str = "dona
         functions.append(torch.compile(fn, backend=backend) if compiled else fn)
     result = Run([], [])
     for step, index in enumerate(scenario.calls):
+        state.train(step not in scenario.eval_calls)
         gb = torch.Generator().manual_seed(scenario.seed * 100 + step)
         x = torch.randn(N, D, generator=gb).to(device)
         y = torch.randn(N, D, generator=gb).to(device)
