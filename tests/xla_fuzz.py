@@ -416,7 +416,7 @@ class Outcome:
     # "passed"; "invalid": eager PyTorch rejects the program; "upstream": torch.compile
     # with aot_eager on the CPU deviates from eager too (not donate_xla's doing);
     # "numerics": donate_xla equals eager torch_xla, whose arithmetic differs from the
-    # CPU's; "failed": donate_xla deviates or raises
+    # CPU's (never for a scenario with BatchNorm); "failed": donate_xla deviates or raises
     status: str
     detail: str = ""
     source: str = ""
@@ -457,7 +457,11 @@ def check(seed: int) -> Outcome:
     if upstream is not None:
         return Outcome(seed, "upstream", f"aot_eager on the CPU: {upstream}; donate_xla: {problem}", scenario.source())
     # XLA's own arithmetic (e.g. gelu of large negatives is -3e-4 where the CPU gives 0):
-    # donate_xla equal to eager torch_xla to float precision is not donate_xla's doing
+    # donate_xla equal to eager torch_xla to float precision is not donate_xla's doing.
+    # Except with BatchNorm, where eager torch_xla itself is wrong (biased running
+    # variance, eval-mode gradients through batch statistics): agreeing with it proves nothing.
+    if "S.bn(" in scenario.source():
+        return Outcome(seed, "failed", problem, scenario.source())
     device_eager = run(scenario, torch_xla.device(), compiled=False)
     if device_eager.error is None and difference(scenario, device_eager, got, "donate_xla", (1e-5, 1e-6)) is None:
         return Outcome(seed, "numerics", f"equals eager torch_xla; eager CPU differs: {problem}", scenario.source())
