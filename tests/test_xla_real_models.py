@@ -6,7 +6,8 @@ from the same weights and data, two ways: the model compiled and the optimizer
 eager (how most people start), and the whole step compiled (forward, backward
 and optimizer, so parameters and optimizer state are donated) under
 ``DONATE_XLA_ACTIVATION_BUDGET=0.5``, so the backward recomputes activations and
-their order is kept (xla/recompute.py). Losses and parameters must match eager.
+their order is kept (xla/recompute.py); and the whole step stitched into one
+executable (``DONATE_XLA_STITCH=1``). Losses and parameters must match eager.
 
 resnet18 amplifies any change of summation order (below), so how far a compiled
 XLA graph lands from eager depends on the CPU XLA compiles for: on one machine
@@ -61,7 +62,7 @@ def _train(name: str, compile_how: str | None, backend: str = "donate_xla"):
     if compile_how == "model":
         compiled = torch.compile(model, backend=backend)
         run = lambda batch: step(compiled, batch)  # noqa: E731
-    elif compile_how == "step":
+    elif compile_how in ("step", "stitched"):
         run = torch.compile(lambda batch: step(model, batch), backend="donate_xla")
     else:
         run = lambda batch: step(model, batch)  # noqa: E731
@@ -73,7 +74,9 @@ def _train(name: str, compile_how: str | None, backend: str = "donate_xla"):
     return torch.stack(losses).cpu(), {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
-CASES = [(name, "model") for name in MODELS] + [(name, "step") for name in MODELS if name != "resnet18"]
+CASES = [(name, "model") for name in MODELS] + [
+    (name, how) for how in ("step", "stitched") for name in MODELS if name != "resnet18"
+]
 
 
 @pytest.mark.parametrize("name,compile_how", CASES, ids=[f"{n}-{h}" for n, h in CASES])
@@ -89,10 +92,11 @@ def test_real_model_trains_like_eager_on_xla(name, compile_how):
         torch.testing.assert_close(ref_losses, eager_losses, **CHAOTIC_EAGER_LOSS_TOL)
     torch._dynamo.reset()
     donate_backend.clear_reports()
-    with config.patch(activation_budget=0.5 if compile_how == "step" else 1.0):
+    with config.patch(activation_budget=0.5 if compile_how == "step" else 1.0, stitch=compile_how == "stitched"):
         losses, params = _train(name, compile_how)
     records = [r for r in donate_backend.reports() if r.path == "xla"]
     assert records, "nothing was compiled on the XLA path"
+    assert all(r.stitched for r in records) == (compile_how == "stitched")
     if compile_how == "step":
         assert any(r.recompute_gated for r in records if r.kind == "backward")
         assert any(r.donated for r in records)
