@@ -176,8 +176,86 @@ def rng_check() -> None:
     }))
 
 
+def pending_results_check() -> None:
+    """A compiled manual SGD update right after a compiled backward: the update's inputs
+    are results of an execution that may still run. A sharded result not computed yet has
+    no shards, and torch_xla 2.9 reads the first one for a buffer's handle or tag
+    (undefined behaviour: a segfault now and then). Records, in order, donate_xla's
+    executions, its waits for the devices and its reads of buffer handles or tags;
+    counts the reads that meet a result not computed yet, and the reads that follow an
+    execution with no wait between (what makes them possible); compares the weights
+    with eager SPMD."""
+    from donate_backend.xla import compat
+
+    events, reads_of_pending = [], []
+
+    def spy(kind, fn, is_read=False):
+        def wrapper(*args, **kwargs):
+            events.append(kind)
+            if is_read:
+                reads_of_pending.append(sum(bool(torch_xla._XLAC._is_placecholder(t)) for t in args[0]))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    compat.run_cached_graph = spy("execute", compat.run_cached_graph)
+    compat.wait_device_ops = spy("wait", compat.wait_device_ops)
+    compat.data_handles = spy("read", compat.data_handles, is_read=True)
+    compat.device_data_nodes = spy("read", compat.device_data_nodes, is_read=True)
+    device = torch_xla.device()
+    # big enough that the backward may still run when the update is called
+    start = [torch.randn(768, 768, generator=torch.Generator().manual_seed(k)) * 0.04 for k in range(6)]
+    x_cpu = torch.randn(1024, 768, generator=torch.Generator().manual_seed(9))
+
+    def train(compiled: bool) -> list:
+        ws = [w.to(device).requires_grad_() for w in start]
+        x = x_cpu.to(device)
+
+        def loss_of(x):
+            h = x
+            for w in ws:
+                h = torch.tanh(h @ w)
+            return h.square().mean() * 100
+
+        def update():
+            with torch.no_grad():
+                for w in ws:
+                    w.sub_(0.5 * w.grad)
+                    w.grad = None
+
+        if compiled:
+            loss_of = torch.compile(loss_of, backend="donate_xla")
+            update = torch.compile(update, backend="donate_xla")
+        for _ in range(STEPS):
+            loss_of(x).backward()
+            update()
+        return [w.detach().cpu() for w in ws]
+
+    eager = train(False)
+    events.clear()
+    reads_of_pending.clear()
+    compiled = train(True)
+    unsettled, executed = 0, False
+    for kind in events:
+        if kind == "execute":
+            executed = True
+        elif kind == "wait":
+            executed = False
+        else:
+            unsettled += executed
+    print(json.dumps({
+        "reads_of_pending_results": sum(reads_of_pending),
+        "reads": len(reads_of_pending),
+        "reads_after_an_execution_without_a_wait": unsettled,
+        "executions": events.count("execute"),
+        "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(eager, compiled)),
+        "moved": max(float((a - w).abs().max()) for a, w in zip(eager, start)),
+    }))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "rng":
         rng_check()
+    elif sys.argv[1] == "pending":
+        pending_results_check()
     else:
         main(*sys.argv[1:])

@@ -90,3 +90,17 @@ def test_dropout_on_a_mesh_draws_fresh_masks():
     assert result["values"] == [0.0, 2.0]
     assert result["distinct_masks"] == 3
     assert all(0.3 < f < 0.7 for f in result["kept_fraction"])
+
+
+def test_checks_wait_for_sharded_results_still_being_computed():
+    """A compiled update right after a compiled backward on a mesh: the gradients are
+    results of an execution that may still run, whose sharded buffers do not exist yet.
+    Reading one's handle or tag crashed torch_xla now and then (a segfault); every read
+    now follows a wait for the devices, and the values equal eager SPMD."""
+    result = run_layout("pending")
+    assert result["reads"] > 0 and result["executions"] >= 10
+    assert result["reads_after_an_execution_without_a_wait"] == 0
+    assert result["reads_of_pending_results"] == 0
+    assert result["moved"] > 1e-3  # the updates do something
+    assert result["max_abs_diff"] < 1e-5
+

@@ -333,6 +333,12 @@ def sync_live_tensors(device: torch.device) -> None:
     _required("_xla_sync_live_tensors")(str(device), [], True)
 
 
+def wait_device_ops() -> None:
+    """Wait until every execution scheduled on the devices has finished (and so every
+    result buffer of one exists)."""
+    _required("_xla_wait_device_ops")(devices=[])
+
+
 def base_seed_tensor(device: torch.device) -> torch.Tensor:
     return _required("_get_base_seed_as_tensor")(str(device))
 

@@ -268,6 +268,7 @@ def compile_graph(gm, example_inputs, ctx):
         return XlaExecutable(
             ctx.name, lowered, relower, tags_untrusted=real_inputs is not None, host_values=on_host,
             requestable=choice.requestable if settings.donation and real_inputs is None else (),
+            sharded=compat.is_spmd(),
         )
 
     def build(settings: config.Settings):

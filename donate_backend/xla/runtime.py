@@ -222,6 +222,7 @@ class XlaExecutable:
         tags_untrusted: bool = False,
         host_values=None,
         requestable: tuple = (),
+        sharded: bool = False,
     ):
         self.graph_name = graph_name
         self.lowered = lowered
@@ -241,6 +242,10 @@ class XlaExecutable:
         self._flag_count: Optional[int] = None  # torch_xla's XlaSetBufferDonation at the last look
         self._with_flagged: dict = {}  # frozenset of flagged inputs -> LoweredGraph
         self._last_flagged: frozenset = frozenset()
+        # SPMD: a result of an execution still running is a sharded placeholder without
+        # shards, and torch_xla 2.9 reads its first shard for a buffer handle or tag
+        # (undefined behaviour: a segfault now and then). Its checks wait for executions.
+        self._wait_before_checks = sharded
 
     def __call__(self, args: list):
         args = list(args)
@@ -312,6 +317,7 @@ class XlaExecutable:
         if not lowered.donors:
             return lowered, []
         trust_tags, self._tags_untrusted = not self._tags_untrusted, False
+        self._settle_if_sharded()
         held = donatable_buffers(args, device_args, lowered.donors, trust_tags, self.device)
         if held is not None:
             return lowered, held
@@ -323,6 +329,10 @@ class XlaExecutable:
                 self.graph_name,
             )
         return self._plain_variant(device_args), []
+
+    def _settle_if_sharded(self) -> None:
+        if self._wait_before_checks:
+            compat.wait_device_ops()
 
     def _param_values(self, lowered: LoweredGraph, device_args: list) -> list:
         values = []
@@ -346,6 +356,7 @@ class XlaExecutable:
                     f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
                 ) from exc
             # Evicted from torch_xla's LRU cache: compile again (no data moves) and retry.
+            self._settle_if_sharded()  # SPMD lowers on the real buffers, reading their handles
             was_main = lowered is self.lowered
             lowered = self._relower(bool(lowered.donors), device_args)
             self.last_call = lowered
@@ -460,6 +471,8 @@ class PerSignatureExecutable:
             # SPMD keeps a new tensor's data on the host until it is used: upload it
             # now, as the run would, so that lowering itself moves nothing
             compat.sync([a for a in device_args if isinstance(a, torch.Tensor)], wait=False)
+            if self._by_sharding:  # lowering reads the real buffers' handles: they must exist
+                compat.wait_device_ops()
             executable = self.by_signature[signature] = self._make(args, device_args)
         return executable.run(args, device_args)
 
