@@ -15,7 +15,7 @@ NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_STAMP := $(NEWEST_VENV)/.installed
 export PJRT_DEVICE ?= CPU
 
-.PHONY: demo test test-xla test-newest bench fuzz peer-tests clean
+.PHONY: demo test test-xla test-newest bench fuzz fuzz-native fuzz-mesh peer-tests clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,15 @@ test-newest: $(NEWEST_STAMP)
 FUZZ_COUNT ?= 2000
 fuzz: $(STAMP)
 	$(PY) tests/xla_fuzz.py --count $(FUZZ_COUNT) --out fuzz-results.json
+
+# The same programs in SPMD mode on a 4-device mesh (every tensor replicated).
+fuzz-mesh: $(STAMP)
+	$(PY) tests/xla_fuzz.py --path mesh --count $(FUZZ_COUNT) --out fuzz-mesh-results.json
+
+# The same programs on the native path (CPU tensors), on torch 2.9 and the newest torch.
+fuzz-native: $(STAMP) $(NEWEST_STAMP)
+	$(PY) tests/xla_fuzz.py --path native --count $(FUZZ_COUNT) --out fuzz-native-results.json
+	$(NEWEST_PY) tests/xla_fuzz.py --path native --count $(FUZZ_COUNT) --out fuzz-native-newest-results.json
 
 bench: $(STAMP) $(NEWEST_STAMP)
 	$(PY) bench/compile.py

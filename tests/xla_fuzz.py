@@ -1,5 +1,9 @@
 """Differential fuzzer: random training programs, donate_xla on XLA vs eager PyTorch on the CPU.
 
+``--path native`` runs donate_xla on the CPU instead, which is its native path (the
+backward that frees saved tensors at their last use and reuses dying buffers), against
+the same eager run; that needs no torch_xla.
+
 Each scenario is generated from one seed. It holds persistent state (a module
 with parameters and buffers, optional tied weights, one or two optimizers,
 extra tensors passed as arguments) and one to three functions written as
@@ -24,8 +28,9 @@ catches a buffer donated while an earlier output still reads it.
 
 A scenario that eager PyTorch itself rejects is "invalid" and not compared.
 
-Run ``python tests/xla_fuzz.py --count 2000`` (``make fuzz``); pytest runs a
-small budget (tests/test_xla_fuzz.py). A failure prints the seed and the
+Run ``python tests/xla_fuzz.py --count 2000`` (``make fuzz``; ``make fuzz-native`` for
+the native path); pytest runs a small budget of each (tests/test_xla_fuzz.py,
+tests/test_native_fuzz.py). A failure prints the seed and the
 source of the scenario.
 """
 from __future__ import annotations
@@ -45,9 +50,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F  # noqa: F401 - used by generated code
 
+MESH_ENV = "DONATE_XLA_FUZZ_MESH"  # set by ``--path mesh`` in its worker processes
+MESH_DEVICES = "4"
+
 try:  # before any backward runs: torch_xla registers its device with the autograd engine
     import torch_xla
 
+    if os.environ.get(MESH_ENV) == "1":
+        import torch_xla.runtime as xr
+
+        xr.use_spmd()
+        torch_xla.device_count()  # else the autograd engine sees no XLA device on a mesh
     torch_xla.device()
 except ImportError:  # the generator still imports; running needs torch_xla
     torch_xla = None
@@ -414,7 +427,8 @@ def _compare(expected, got, where: str, tol=(RTOL, ATOL)) -> Optional[str]:
 class Outcome:
     seed: int
     # "passed"; "invalid": eager PyTorch rejects the program; "upstream": torch.compile
-    # with aot_eager on the CPU deviates from eager too (not donate_xla's doing);
+    # with aot_eager on the CPU deviates from eager too, or, on the native path with the
+    # Inductor executor, plain Inductor does (not donate_xla's doing);
     # "numerics": donate_xla equals eager torch_xla, whose arithmetic differs from the
     # CPU's (never for a scenario with BatchNorm); "failed": donate_xla deviates or raises
     status: str
@@ -439,14 +453,33 @@ def difference(scenario: Scenario, expected: Run, got: Run, who: str, tol=(RTOL,
     return None
 
 
-def check(seed: int) -> Outcome:
-    """Generate scenario ``seed``, run it eagerly on the CPU and with donate_xla on XLA."""
+PATHS = ("xla", "native", "mesh")
+
+
+def _native_compiler() -> str:
+    """The executor of donate_xla's native path (DONATE_XLA_NATIVE_COMPILER)."""
+    from donate_backend import config
+
+    return config.current().native_compiler
+
+
+def check(seed: int, path: str = "xla") -> Outcome:
+    """Generate scenario ``seed``, run it eagerly on the CPU and with donate_xla: on XLA
+    (``path="xla"``); on XLA in SPMD mode, every tensor replicated over a 4-device mesh
+    (``path="mesh"``, in a process started with DONATE_XLA_FUZZ_MESH=1 and
+    CPU_NUM_DEVICES=4); or on the CPU, which is its native path (``path="native"``: the
+    freeing backward and buffer reuse, with the executor DONATE_XLA_NATIVE_COMPILER names)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path == "mesh" and os.environ.get(MESH_ENV) != "1":
+        raise RuntimeError(f"path 'mesh' runs in a process started with {MESH_ENV}=1 (the CLI does that)")
     scenario = generate(seed)
     torch._dynamo.reset()
     expected = run(scenario, torch.device("cpu"), compiled=False)
     if expected.error is not None:
         return Outcome(seed, "invalid", f"eager: {type(expected.error).__name__}: {expected.error}")
-    got = run(scenario, torch_xla.device(), compiled=True)
+    device = torch.device("cpu") if path == "native" else torch_xla.device()
+    got = run(scenario, device, compiled=True)
     torch._dynamo.reset()
     problem = difference(scenario, expected, got, "donate_xla")
     if problem is None:
@@ -456,6 +489,16 @@ def check(seed: int) -> Outcome:
     upstream = difference(scenario, expected, reference, "aot_eager")
     if upstream is not None:
         return Outcome(seed, "upstream", f"aot_eager on the CPU: {upstream}; donate_xla: {problem}", scenario.source())
+    if path == "native":
+        if _native_compiler() == "inductor":  # our executor is Inductor: its own deviations are upstream
+            inductor = run(scenario, torch.device("cpu"), compiled=True, backend="inductor")
+            torch._dynamo.reset()
+            deviation = difference(scenario, expected, inductor, "inductor")
+            if deviation is not None:
+                return Outcome(seed, "upstream", f"Inductor on the CPU: {deviation}; donate_xla: {problem}",
+                               scenario.source())
+        # same device and arithmetic as the eager run: any other difference is ours
+        return Outcome(seed, "failed", problem, scenario.source())
     # XLA's own arithmetic (e.g. gelu of large negatives is -3e-4 where the CPU gives 0):
     # donate_xla equal to eager torch_xla to float precision is not donate_xla's doing.
     # Except with BatchNorm, where eager torch_xla itself is wrong (biased running
@@ -470,13 +513,22 @@ def check(seed: int) -> Outcome:
 
 # -- command line ------------------------------------------------------------------------
 
-def _run_chunk(seeds: list[int], progress_path: str) -> list[dict]:
+def _run_chunk(seeds: list[int], progress_path: str, path: str) -> list[dict]:
     outcomes = []
     for seed in seeds:
         with open(progress_path, "w") as f:
             f.write(str(seed))
-        outcomes.append(dataclasses.asdict(check(seed)))
+        outcomes.append(dataclasses.asdict(check(seed, path)))
     return outcomes
+
+
+def _worker_env(path: str) -> dict:
+    env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
+    if path == "mesh":
+        env[MESH_ENV] = "1"
+        if env["PJRT_DEVICE"] == "CPU":
+            env["CPU_NUM_DEVICES"] = MESH_DEVICES
+    return env
 
 
 def main() -> int:
@@ -485,11 +537,16 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--chunk", type=int, default=50, help="scenarios per fresh process")
     parser.add_argument("--out", default="fuzz-results.json")
+    parser.add_argument(
+        "--path", choices=PATHS, default="xla",
+        help="xla: donate_xla on torch_xla's device; mesh: the same in SPMD mode on a 4-device "
+        "mesh, tensors replicated; native: on the CPU (its native path)",
+    )
     parser.add_argument("--worker", nargs=2, metavar=("SEEDS", "PROGRESS"), help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
         seeds = json.loads(opts.worker[0])
-        print(json.dumps(_run_chunk(seeds, opts.worker[1])))
+        print(json.dumps(_run_chunk(seeds, opts.worker[1], opts.path)))
         return 0
     seeds = list(range(opts.start, opts.start + opts.count))
     outcomes: list[dict] = []
@@ -498,8 +555,8 @@ def main() -> int:
     while seeds:
         chunk, seeds = seeds[: opts.chunk], seeds[opts.chunk :]
         proc = subprocess.run(
-            [sys.executable, __file__, "--worker", json.dumps(chunk), progress],
-            capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU")),
+            [sys.executable, __file__, "--worker", json.dumps(chunk), progress, "--path", opts.path],
+            capture_output=True, text=True, env=_worker_env(opts.path),
         )
         lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
         if proc.returncode == 0 and lines:
