@@ -2,7 +2,9 @@
 
 ``--path native`` runs donate_xla on the CPU instead, which is its native path (the
 backward that frees saved tensors at their last use and reuses dying buffers), against
-the same eager run; that needs no torch_xla.
+the same eager run; that needs no torch_xla. ``--path mesh`` runs it on XLA in SPMD
+mode over a 4-device mesh, every tensor replicated (the executables lowered on real
+buffers per sharding signature).
 
 Each scenario is generated from one seed. It holds persistent state (a module
 with parameters and buffers, optional tied weights, one or two optimizers,
@@ -28,9 +30,9 @@ catches a buffer donated while an earlier output still reads it.
 
 A scenario that eager PyTorch itself rejects is "invalid" and not compared.
 
-Run ``python tests/xla_fuzz.py --count 2000`` (``make fuzz``; ``make fuzz-native`` for
-the native path); pytest runs a small budget of each (tests/test_xla_fuzz.py,
-tests/test_native_fuzz.py). A failure prints the seed and the
+Run ``python tests/xla_fuzz.py --count 2000`` (``make fuzz``; ``make fuzz-native``,
+``make fuzz-mesh``); pytest runs a small budget of each (tests/test_xla_fuzz.py,
+tests/test_native_fuzz.py, tests/test_xla_spmd.py). A failure prints the seed and the
 source of the scenario.
 """
 from __future__ import annotations
