@@ -448,3 +448,52 @@ def test_batch_norm_running_variance_uses_the_unbiased_batch_variance():
         return step, lambda: list(model.parameters()) + list(model.buffers())
 
     run_against_eager(program)
+
+
+@pytest.mark.parametrize("source", ["parameters", "momentum"])
+@pytest.mark.parametrize("swap", [False, True], ids=["backup", "backup_swap_restore"])
+@pytest.mark.parametrize("made", ["before_training", "after_warm_up"])
+@pytest.mark.parametrize("sync", [False, True], ids=["no_sync", "torch_xla_sync"])
+def test_copy_out_of_a_donated_tensor_stays_valid(source, swap, made, sync):
+    """``backup.copy_(p)`` makes torch_xla's ``backup`` read ``p``'s buffer; a later
+    donating step must not hand that buffer to XLA. Before the fix the next read of
+    ``backup`` failed with "Check failed: handle->HasValue()" (torch_xla's own tags
+    name only the last tensor synced to a buffer). Patterns: keep a copy of the
+    weights or of optimizer state, or swap other values in and restore the copy
+    (EMA evaluation), with or without a ``torch_xla.sync()`` in between."""
+
+    def run(device, compile_fn):
+        torch.manual_seed(0)
+        early = [torch.zeros(3, 4, device=device), torch.zeros(3, device=device)]
+        model = torch.nn.Linear(4, 3).to(device)
+        params = list(model.parameters())
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+        @compile_fn
+        def step(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        x = torch.randn(8, 4).to(device)
+        losses = [step(x) for _ in range(2)]
+        sources = params if source == "parameters" else [opt.state[p]["momentum_buffer"] for p in params]
+        backup = early if made == "before_training" else [torch.zeros_like(s) for s in sources]
+        with torch.no_grad():
+            for b, s in zip(backup, sources):
+                b.copy_(s)
+            if swap:
+                for s in sources:
+                    s.copy_(torch.full_like(s, 0.5))
+                for s, b in zip(sources, backup):
+                    s.copy_(b)
+        if sync and device.type == "xla":
+            torch_xla.sync()
+        losses += [step(x) for _ in range(2)]
+        return losses, backup, params
+
+    got = run(torch_xla.device(), lambda f: torch.compile(f, backend="donate_xla"))
+    expected = run(torch.device("cpu"), lambda f: f)
+    assert_close_tree(got, expected, "losses, copies, parameters")

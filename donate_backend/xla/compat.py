@@ -93,6 +93,67 @@ def device_data_nodes(tensors: Sequence[torch.Tensor], uncloned: Sequence[torch.
     return list(ids), list(values)
 
 
+# -- which value a tensor holds (the exclusivity record of runtime.py) ---------------------
+
+def value_identity(t: torch.Tensor) -> str:
+    """What ``t``'s XLATensor holds now, without changing it: its IR node (the text
+    has a comma) if it has one, else its device data object (or the tensor itself
+    for host data). A tensor that some lazy op read since it last had no IR has
+    one now: torch_xla gives a tensor an IR node when it is first read."""
+    return _required("_unique_id_for_ir_and_data")(t)
+
+
+def _torch_api(owner, name: str):
+    """A private torch function (functionalization, version counters), or None."""
+    return getattr(owner, name, None)
+
+
+def functional_values(tensors: Sequence[torch.Tensor]) -> Optional[list]:
+    """The tensors functionalization wraps: each holds its tensor's current buffer
+    (an in-place update gives the wrapper a new one). None if one is not
+    functionalized (``XLA_DISABLE_FUNCTIONALIZATION=1``) or torch lacks the API."""
+    unwrap = _torch_api(torch, "_from_functional_tensor")
+    is_functional = _torch_api(torch, "_is_functional_tensor")
+    if unwrap is None or is_functional is None or not all(map(is_functional, tensors)):
+        return None
+    return [unwrap(t) for t in tensors]
+
+
+def install_value(target: torch.Tensor, source: torch.Tensor) -> bool:
+    """Make ``target`` hold ``source``'s value as an in-place update would (its views
+    see it, its version counter moves), by handing it ``source``'s XLA tensor
+    instead of building IR that reads it (what ``copy_`` does), so that ``target``
+    holds the buffer with no IR node: nothing else can have read it yet. False
+    (nothing done) if a tensor is not functionalized or torch lacks the API."""
+    replace = _torch_api(torch, "_functionalize_replace")
+    commit = _torch_api(torch, "_functionalize_commit_update")
+    bump = _torch_api(torch.autograd.graph, "increment_version")
+    values = functional_values([target, source])
+    if replace is None or commit is None or bump is None or values is None:
+        return False
+    replace(target, values[1])
+    commit(target)
+    bump(target)
+    return True
+
+
+def aot_version_bumped_inputs() -> Optional[frozenset]:
+    """Inputs of the graph being compiled whose version counter aot_autograd's runtime
+    wrapper increments before each call (graph-handled input mutations autograd
+    sees), or None if unknown (no tracing context, another torch)."""
+    try:
+        from torch._guards import TracingContext
+    except ImportError:
+        return None
+    try_get = _torch_api(TracingContext, "try_get")
+    context = try_get() if try_get is not None else None
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    indices = getattr(metadata, "mutated_graph_handled_indices_seen_by_autograd", None)
+    if indices is None or getattr(metadata, "keep_input_mutations", True) is False:
+        return None
+    return frozenset(int(i) for i in indices)
+
+
 def data_handles(tensors: Sequence[torch.Tensor]) -> list[int]:
     """The device buffer handle behind each tensor (a placeholder's too)."""
     return list(_required("_get_tensors_handle")(list(tensors)))

@@ -234,6 +234,7 @@ def compile_graph(gm, example_inputs, ctx):
             )
 
         start, before = time.perf_counter(), metrics.transfer_snapshot()
+        bumped = compat.aot_version_bumped_inputs()
         lowered = relower(True, real_inputs)
         seconds = time.perf_counter() - start
         transfers = metrics.transfer_snapshot().minus(before)
@@ -266,7 +267,7 @@ def compile_graph(gm, example_inputs, ctx):
         if stitch:
             return StitchedExecutable(ctx.name, lowered, host_values=on_host)
         return XlaExecutable(
-            ctx.name, lowered, relower, tags_untrusted=real_inputs is not None, host_values=on_host,
+            ctx.name, lowered, relower, host_values=on_host, version_bumped=bumped,
             requestable=choice.requestable if settings.donation and real_inputs is None else (),
             sharded=compat.is_spmd(),
         )

@@ -2,15 +2,13 @@
 
 ``XlaExecutable`` is the callable aot_autograd receives. Per call it
 1. uploads host scalar inputs and makes inputs with pending lazy IR concrete,
-2. before donating, gives every live lazy clone of a donor its own buffer, and
-   checks that each donor owns its buffer (a ``copy_`` from another tensor
-   shares one buffer between two tensors; torch_xla tags the buffer with the
-   tensor that owns it). A donor that does not own its buffer makes this call
-   run the non-donating variant,
+2. checks that each donor can be donated now: it is not passed twice, not a
+   view, and holds its buffer alone (``_Installed``); a donor that may share
+   its buffer is copied first and the copy donated,
 3. runs the cached HLO with inputs in parameter order (recompiling if the
    entry was evicted from torch_xla's cache),
-4. writes in-place mutations back into the caller's tensors (``copy_`` of the
-   new buffer, so views and version counters behave as after an in-place op), and
+4. writes in-place mutations back into the caller's tensors (views and version
+   counters behave as after an in-place op; ``_write_back``), and
 5. returns the outputs.
 """
 from __future__ import annotations
@@ -54,12 +52,15 @@ def _materialize_pending(tensors: list[torch.Tensor]) -> None:
         compat.sync(pending, wait=True)
 
 
-def _sync_live_aliases(device: torch.device) -> None:
-    """Give lazy clones that still read a donor's buffer buffers of their own."""
-    compat.sync_live_tensors(device)
-
-
 _IDENTITY_VIEWS = ("detach_ViewMeta", "alias_ViewMeta", "lift_fresh_ViewMeta")
+
+
+def identity_storages(tensors: Sequence[torch.Tensor]) -> bool:
+    """``has_identity_storage`` of every tensor, in one pass."""
+    get_sequence = getattr(torch._C._functionalization, "get_view_meta_sequence", None)
+    if get_sequence is None:
+        return not any(t._is_view() for t in tensors)
+    return all(type(meta).__name__ in _IDENTITY_VIEWS for t in tensors for meta in get_sequence(t))
 
 
 def has_identity_storage(t: torch.Tensor) -> bool:
@@ -76,86 +77,104 @@ def has_identity_storage(t: torch.Tensor) -> bool:
     return all(type(meta).__name__ in _IDENTITY_VIEWS for meta in get_sequence(t))
 
 
-class _WrittenBuffers:
-    """Which buffer our write-back gave each tensor: target -> the tensor id torch_xla
-    tagged the buffer with (the result's).
+class _Installed:
+    """The tensors holding a buffer no other tensor can hold: target -> (what it
+    held then, its version then).
 
-    The target is not synced after the write-back (a sync is a barrier: it would
-    wait for the device), so its buffer keeps the result's tag until something
-    syncs it; the ownership check accepts that tag too. Only the id is kept: a
-    reference to the result would keep its buffer alive, and dropping it later,
-    while an execution uses the buffer, waits for that execution. Keyed by
-    identity, weakly: an entry goes with its target.
+    A write-back (``install_value``) or a result handed to the program leaves a
+    tensor holding a new buffer with no IR node. Everything that can share the
+    buffer with another tensor goes through an IR node: ``q.copy_(p)``, a view
+    or an eager op on ``p`` first give ``p`` an IR node (``value_identity``
+    changes), and an in-place update gives ``p`` another value (its version
+    moves, and so does what it holds). A tensor whose record still matches
+    holds its buffer alone. torch_xla's buffer tags cannot tell that: a buffer
+    is tagged with the last tensor synced to it, not with all of them.
+
+    Keyed by identity, weakly: an entry goes with its tensor.
     """
 
     def __init__(self):
-        self._entries: dict = {}  # id(target) -> (weakref to target, tag)
+        self._entries: dict = {}  # id(tensor) -> (weakref, value identity, version)
 
-    def set(self, target: torch.Tensor, tag: int) -> None:
-        key = id(target)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is target:
-            self._entries[key] = (entry[0], tag)
+    def record(self, t: torch.Tensor) -> None:
+        held = compat.value_identity(t)
+        if ", " in held:  # it has an IR node already
+            self.forget(t)
             return
-        ref = weakref.ref(target, lambda _, key=key, entries=self._entries: entries.pop(key, None))
-        self._entries[key] = (ref, tag)
+        key = id(t)
+        entry = self._entries.get(key)
+        ref = entry[0] if entry is not None and entry[0]() is t else weakref.ref(
+            t, lambda _, key=key, entries=self._entries: entries.pop(key, None)
+        )
+        self._entries[key] = (ref, held, t._version)
 
-    def get(self, target: torch.Tensor):
-        entry = self._entries.get(id(target))
-        return entry[1] if entry is not None and entry[0]() is target else None
+    def forget(self, t: torch.Tensor) -> None:
+        entry = self._entries.get(id(t))
+        if entry is not None and entry[0]() is t:
+            del self._entries[id(t)]
+
+    def holds_alone(self, t: torch.Tensor, bumped: int) -> bool:
+        """``bumped``: by how much aot_autograd moved the version since the record
+        (its runtime wrapper increments the versions of inputs the graph mutates
+        before calling it)."""
+        entry = self._entries.get(id(t))
+        return (
+            entry is not None
+            and entry[0]() is t
+            and entry[2] + bumped == t._version
+            and entry[1] == compat.value_identity(t)
+        )
 
 
-_written = _WrittenBuffers()
+_installed = _Installed()
 
 
-def donors_owning_their_buffers(tensors: Sequence[torch.Tensor], expected: Sequence[tuple]) -> bool:
-    """True if each tensor's device data is tagged with one of its ``expected`` tags:
-    its own id, or the tag of the buffer our write-back gave it (``expected_tags``).
+def _donors_passed_twice(args: Sequence, donors: Sequence[int]) -> bool:
+    """A donor that is also passed at another position cannot be donated this call."""
+    ids = [id(a) for a in args if isinstance(a, torch.Tensor)]
+    if len(set(ids)) == len(ids):
+        return False
+    counts = collections.Counter(ids)
+    return any(counts[id(args[i])] > 1 for i in donors)
 
-    torch_xla tags a buffer with the tensor it was synced for: a tensor that
-    copied another's buffer reads a buffer tagged with the other's id, and once
-    that copy is synced (``_sync_live_aliases``) the buffer is tagged with the
-    copy's id, so the original fails this.
+
+def _donor_shares_a_tensor(device_args: Sequence, donors: Sequence[int]) -> bool:
+    """A donor whose XLA tensor another argument shares (``p`` and ``p.detach()``)."""
+    ids = compat.tensor_ids([a for a in device_args if isinstance(a, torch.Tensor) and a.is_xla])
+    if len(set(ids)) == len(ids):
+        return False
+    counts = collections.Counter(ids)
+    return any(counts[i] > 1 for i in compat.tensor_ids([device_args[i] for i in donors]))
+
+
+def donatable_buffers(
+    args: Sequence, device_args: Sequence, donors: Sequence[int], version_bumped: Optional[frozenset]
+) -> Optional[tuple]:
+    """Whether this call can donate, per call (between two calls the program can
+    copy a donor, view it, read it or pass it twice).
+
+    None if a donor is passed twice, is a view, or shares its XLA tensor with
+    another argument: then nothing is donated. Else (held, shared): ``held``,
+    the tensors behind the donors now (the caller keeps them while the buffers
+    are donated), and ``shared``, the positions in ``donors`` of donors whose
+    buffer another tensor may hold (``_Installed``): the call donates a copy of
+    those. A host tensor uploaded for this call holds its buffer alone.
     """
-    # passing the tensors back keeps torch_xla from wrapping their buffers in new tensors
-    tags, _ = compat.device_data_nodes(tensors, tensors)
-    return _tagged_as_expected(tags, tensors, expected)
-
-
-def owned_donor_buffers(tensors: Sequence[torch.Tensor], expected: Sequence[tuple]) -> Optional[list]:
-    """``donors_owning_their_buffers``, returning new tensors on the donors' buffers
-    (None if a donor fails it): the same torch_xla call gives both, and the caller
-    holds them while the buffers are donated (``XlaExecutable._choose_variant``).
-    Wrapping a buffer does not re-tag it."""
-    tags, wrappers = compat.device_data_nodes(tensors)
-    return wrappers if _tagged_as_expected(tags, tensors, expected) else None
-
-
-def _tagged_as_expected(tags: Sequence[int], tensors: Sequence, expected: Sequence[tuple]) -> bool:
-    # each donor reads exactly one buffer (torch_xla lists a buffer once), so the
-    # tags come in the tensors' order
-    return len(tags) == len(tensors) and all(map(tuple.__contains__, expected, tags))
-
-
-def expected_tags(tensors: Sequence[torch.Tensor]) -> list[tuple]:
-    """Per tensor, the tags its buffer may carry: its own id and, after our
-    write-back, the tag of the result buffer it now reads."""
-    return [(own, _written.get(t)) for own, t in zip(compat.tensor_ids(tensors), tensors)]
-
-
-def donor_buffers_distinct(device_args: Sequence, donors: Sequence[int]) -> bool:
-    """Each donor holds a buffer of its own that no other argument holds.
-
-    Two tensors synced together from one IR value (``exp_avg`` and ``exp_avg_sq``
-    both ``zeros_like(p)``) can come back as one buffer.
-    """
-    tensors = [a for a in device_args if isinstance(a, torch.Tensor) and a.is_xla]
-    identities = compat.buffer_identities(tensors)
-    if len(set(identities)) == len(identities):  # the usual case: no two share a buffer
-        return True
-    counts = collections.Counter(identities)
-    position = {id(t): k for k, t in enumerate(tensors)}
-    return all(counts[identities[position[id(device_args[i])]]] == 1 for i in donors)
+    donor_tensors = [device_args[i] for i in donors]
+    if _donors_passed_twice(args, donors) or not identity_storages(donor_tensors):
+        return None
+    if _donor_shares_a_tensor(device_args, donors):
+        return None
+    held = compat.functional_values(donor_tensors)
+    if held is None:
+        return None
+    shared = [
+        k for k, i in enumerate(donors)
+        if args[i] is device_args[i] and (
+            version_bumped is None or not _installed.holds_alone(device_args[i], int(i in version_bumped))
+        )
+    ]
+    return held, shared
 
 
 def _may_be_cache_miss(exc: RuntimeError) -> bool:
@@ -170,45 +189,6 @@ def _may_be_cache_miss(exc: RuntimeError) -> bool:
     return any(marker in text for marker in _CACHE_MISS_MARKERS)
 
 
-def _donors_passed_twice(args: Sequence, donors: Sequence[int]) -> bool:
-    """A donor that is also passed at another position cannot be donated this call."""
-    ids = [id(a) for a in args if isinstance(a, torch.Tensor)]
-    if len(set(ids)) == len(ids):
-        return False
-    counts = collections.Counter(ids)
-    return any(counts[id(args[i])] > 1 for i in donors)
-
-
-def donatable_buffers(
-    args: Sequence, device_args: Sequence, donors: Sequence[int], trust_tags: bool, device
-) -> Optional[list]:
-    """None if some donor cannot be donated now: it is passed twice, is a view, its
-    buffer is held by another argument, or it does not own its buffer before or
-    after live lazy clones get buffers of their own (``donors_owning_their_buffers``).
-    Else new tensors on the donors' buffers, for the caller to hold while they are
-    donated.
-
-    Run per call: between two calls the program can copy a donor, view it or
-    clone it lazily. Each part is one pass over the arguments and at most one
-    torch_xla call; none waits for the device.
-    """
-    donor_tensors = [device_args[i] for i in donors]
-    if _donors_passed_twice(args, donors) or not all(has_identity_storage(t) for t in donor_tensors):
-        return None
-    if not donor_buffers_distinct(device_args, donors):
-        return None
-    if not trust_tags:
-        _sync_live_aliases(device)
-        return compat.device_data_nodes(donor_tensors)[1]
-    # before the sync: a donor that copied another tensor's buffer; after it: a
-    # donor whose buffer a live tensor copied
-    expected = expected_tags(donor_tensors)
-    if not donors_owning_their_buffers(donor_tensors, expected):
-        return None
-    _sync_live_aliases(device)
-    return owned_donor_buffers(donor_tensors, expected)
-
-
 class XlaExecutable:
     """A compiled graph; call it with the flat list of graph inputs (boxed)."""
 
@@ -219,8 +199,8 @@ class XlaExecutable:
         graph_name: str,
         lowered: LoweredGraph,
         relower: Callable[[bool, list], LoweredGraph],
-        tags_untrusted: bool = False,
         host_values=None,
+        version_bumped: Optional[frozenset] = None,
         requestable: tuple = (),
         sharded: bool = False,
     ):
@@ -233,10 +213,9 @@ class XlaExecutable:
         self.last_call: Optional[LoweredGraph] = None  # the variant the last call ran
         self._checked: set = set()  # hashes whose results were checked against the plan
         self._held: list = []  # tensors on the buffers the last call donated (_choose_variant)
-        # Lowering on the real buffers (SPMD) re-tags them with torch_xla's temporary
-        # wrappers, so the first call cannot read ownership from the tags; its
-        # write-back tags them again.
-        self._tags_untrusted = tags_untrusted
+        self.calls_copying_donors = 0  # calls that donated copies of donors others may share
+        self._exclusive: dict = {}  # id(variant) -> _exclusive_results(variant)
+        self._version_bumped = version_bumped  # compat.aot_version_bumped_inputs(); None: unknown
         self._host_values = host_values  # host.HostPart: values computed on the host
         self._requestable = requestable  # inputs donated when their buffer is flagged
         self._flag_count: Optional[int] = None  # torch_xla's XlaSetBufferDonation at the last look
@@ -253,22 +232,29 @@ class XlaExecutable:
 
     def run(self, args: list, device_args: list):
         """One call, given the arguments already on the device (``materialized_device_args``)."""
+        device_args = list(device_args)
         lowered, held = self._choose_variant(args, device_args)
         self.last_call = lowered
         results = []
         if lowered.graph_hash is not None:
             lowered, results = self._run(lowered, device_args)
         on_host = self._host_values(args) if self._host_values is not None else ()
-        self._write_back(args, lowered, results)
+        exclusive = self._exclusive.get(id(lowered))
+        if exclusive is None:
+            exclusive = self._exclusive[id(lowered)] = _exclusive_results(lowered)
+        self._write_back(args, lowered, results, exclusive)
         if self._host_values is not None:
             with torch.no_grad():
                 for input_index, k in self._host_values.writebacks:
                     args[input_index].copy_(on_host[k])
         self._held = held  # lets go of the previous call's (its execution is done by now)
-        return [
-            on_host[slot.index] if slot.kind == "host" else self._output(slot, args, results)
-            for slot in lowered.outputs
-        ]
+        outputs = []
+        for slot in lowered.outputs:
+            value = on_host[slot.index] if slot.kind == "host" else self._output(slot, args, results)
+            if slot.kind == "result" and exclusive[slot.index] and not slot.to_host:
+                _installed.record(value)
+            outputs.append(value)
+        return outputs
 
     def _plain_variant(self, device_args: list) -> LoweredGraph:
         if self._without_donation is None:
@@ -303,32 +289,53 @@ class XlaExecutable:
         return self._with_flagged[flagged]
 
     def _choose_variant(self, args: list, device_args: list) -> tuple:
-        """(the donating graph, tensors on the buffers it donates) if every donor is
-        safe to donate now, else (the plain graph, []).
+        """(the graph to run, tensors on the buffers it donates).
 
-        The caller keeps those tensors until its next call: the write-back replaces
-        each donor's buffer, and if that dropped the last handle of a buffer an
-        in-flight execution was given as a donor, torch_xla would wait for the
-        execution (the whole step). Handles of donated buffers hold no memory (XLA
-        reuses it).
+        The donating graph if no donor is passed twice, is a view or shares its
+        XLA tensor with another argument; a donor whose buffer another tensor may
+        hold (``_Installed``) is replaced in ``device_args`` by a fresh copy, which
+        is donated instead. Else the plain graph.
+
+        The caller keeps the returned tensors until its next call: the write-back
+        replaces each donor's buffer, and if that dropped the last handle of a
+        buffer an in-flight execution was given as a donor, torch_xla would wait
+        for the execution (the whole step). Handles of donated buffers hold no
+        memory (XLA reuses it).
         """
         flagged = self._flagged_inputs(device_args)
         lowered = self._variant_with_flagged(flagged, device_args) if flagged else self.lowered
         if not lowered.donors:
             return lowered, []
-        trust_tags, self._tags_untrusted = not self._tags_untrusted, False
         self._settle_if_sharded()
-        held = donatable_buffers(args, device_args, lowered.donors, trust_tags, self.device)
-        if held is not None:
+        checked = donatable_buffers(args, device_args, lowered.donors, self._version_bumped)
+        if checked is not None:
+            held, shared = checked
+            if not shared:
+                return lowered, held
+            self._note_copies(shared, lowered.donors)
+            copies = [device_args[lowered.donors[k]].clone() for k in shared]
+            compat.sync(copies, wait=False)
+            for k, copy in zip(shared, copies):
+                device_args[lowered.donors[k]] = copy
+                held[k] = copy
             return lowered, held
         self.calls_without_donation += 1
         if self.calls_without_donation == 1:
             log.info(
-                "donate_xla: %s ran without donation: a donor shares its buffer with another "
-                "tensor (a copy_, a view, or passed twice)",
+                "donate_xla: %s ran without donation: a donor is a view, is passed twice, or "
+                "shares its buffer with another tensor",
                 self.graph_name,
             )
         return self._plain_variant(device_args), []
+
+    def _note_copies(self, shared: list, donors: tuple) -> None:
+        self.calls_copying_donors += 1
+        if self.calls_copying_donors == 1:
+            log.info(
+                "donate_xla: %s donated copies of inputs %s: other tensors may hold their "
+                "buffers (read outside a compiled graph, or not yet written by donate_xla)",
+                self.graph_name, [donors[k] for k in shared],
+            )
 
     def _settle_if_sharded(self) -> None:
         if self._wait_before_checks:
@@ -371,30 +378,30 @@ class XlaExecutable:
         return lowered, results
 
     @staticmethod
-    def _write_back(args: list, lowered: LoweredGraph, results: list) -> None:
-        """In-place semantics for the caller: ``arg.copy_(new)``, then own the buffer.
+    def _write_back(args: list, lowered: LoweredGraph, results: list, exclusive=None) -> None:
+        """In-place semantics for the caller: views of a written input see its new
+        value and its version counter moves, as after an in-place op.
 
-        ``copy_`` (not a handle swap) keeps functionalization's view tracking
-        right, so views of a parameter see its new value, and it bumps the version
-        counter as an in-place op would. The copy is of a device-data node, so it
-        executes nothing. The targets are not synced (a sync waits for the device);
-        ``_written`` remembers whose buffer each now reads, for the ownership check.
+        A result only this input receives is installed (``compat.install_value``):
+        the input takes the result's XLA tensor, so it holds the new buffer with no
+        IR node, and ``_installed`` records that it holds it alone. Any other is
+        ``copy_``-ed (IR that reads the result's buffer; executes nothing), and the
+        input is not recorded. ``exclusive`` None: copy every result (stitched
+        graphs, whose results are lazy). Nothing waits for the device.
         """
         if not lowered.writebacks:
             return
-        on_device = []
         with torch.no_grad():
             for input_index, result_index in lowered.writebacks:
                 target = args[input_index]
                 new_value = results[result_index]
-                if target.is_xla:
-                    target.copy_(new_value)
-                    on_device.append((target, new_value))
-                else:
+                if not target.is_xla:
                     target.copy_(new_value.cpu())
-        tags = compat.tensor_ids([new_value for _, new_value in on_device])
-        for (target, _), tag in zip(on_device, tags):
-            _written.set(target, tag)
+                elif exclusive is not None and exclusive[result_index] and compat.install_value(target, new_value):
+                    _installed.record(target)
+                else:
+                    target.copy_(new_value)
+                    _installed.forget(target)
 
     @staticmethod
     def _output(slot, args: list, results: list):
@@ -404,6 +411,13 @@ class XlaExecutable:
             return slot.value
         value = results[slot.index]
         return value.cpu() if slot.to_host else value
+
+
+def _exclusive_results(lowered: LoweredGraph) -> list:
+    """Per HLO result: True if exactly one write-back or device output takes it."""
+    uses = collections.Counter(k for _, k in lowered.writebacks)
+    uses.update(slot.index for slot in lowered.outputs if slot.kind == "result")
+    return [uses[k] == 1 for k in range(len(lowered.results))]
 
 
 def materialized_device_args(args: list, device: torch.device) -> list:
@@ -547,7 +561,7 @@ class StitchedExecutable:
             results = compat.user_computation(self._opname, values, computation)
             self._last_result = results[-1]
         on_host = self._host_values(args) if self._host_values is not None else ()
-        XlaExecutable._write_back(args, lowered, results)
+        XlaExecutable._write_back(args, lowered, results)  # lazy results: copied, not recorded
         if self._host_values is not None:
             with torch.no_grad():
                 for input_index, k in self._host_values.writebacks:
