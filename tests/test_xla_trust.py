@@ -497,3 +497,81 @@ def test_copy_out_of_a_donated_tensor_stays_valid(source, swap, made, sync):
     got = run(torch_xla.device(), lambda f: torch.compile(f, backend="donate_xla"))
     expected = run(torch.device("cpu"), lambda f: f)
     assert_close_tree(got, expected, "losses, copies, parameters")
+
+
+def test_two_data_copies_into_a_donated_parameter_keep_the_source_valid():
+    """``p.data.copy_(a)`` frees ``p``'s buffer without moving ``p``'s version; the next
+    upload can get a device data object at the freed address, and ``p.data.copy_(b)``
+    then makes ``p`` hold ``b``'s buffer at the address donate_xla recorded. Without
+    the record's pin on the old buffer the next step donated ``b``'s buffer (the read
+    of ``b`` failed: "Buffer has been deleted or donated")."""
+
+    def run(device, compile_fn):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3).to(device)
+        params = list(model.parameters())
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+        @compile_fn
+        def step(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        x = torch.randn(8, 4).to(device)
+        losses = [step(x) for _ in range(3)]
+        kept = []
+        with torch.no_grad():
+            for p in params:
+                p.data.copy_(torch.full_like(p, 0.25))
+                b = (torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) / 10).to(device)
+                kept.append(b)
+                p.data.copy_(b)
+        losses += [step(x) for _ in range(2)]
+        return losses, kept, params
+
+    got = run(torch_xla.device(), lambda f: torch.compile(f, backend="donate_xla"))
+    expected = run(torch.device("cpu"), lambda f: f)
+    assert_close_tree(got, expected, "losses, sources, parameters")
+
+
+def test_parameters_read_eagerly_between_steps_are_copied_then_donated_again(caplog):
+    """An eager read (an EMA update, a logged norm) gives a parameter an IR node another
+    tensor may share; the next step donates a copy of it, and the step after donates the
+    buffer it wrote itself again. Values equal eager throughout."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="donate_xla")
+
+    def run(device, compile_fn):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3).to(device)
+        params = list(model.parameters())
+        ema = [p.detach().clone() for p in params]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+        @compile_fn
+        def step(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        x = torch.randn(8, 4).to(device)
+        out = []
+        for i in range(5):
+            out.append(step(x))
+            if i % 2 == 0:
+                with torch.no_grad():
+                    for e, p in zip(ema, params):
+                        e.mul_(0.9).add_(p, alpha=0.1)
+                out.append(sum(p.norm() for p in params))
+        return out, ema, params
+
+    got = run(torch_xla.device(), lambda f: torch.compile(f, backend="donate_xla"))
+    expected = run(torch.device("cpu"), lambda f: f)
+    assert_close_tree(got, expected, "losses and norms, EMA, parameters")
+    assert any("donated copies" in m for m in caplog.messages)

@@ -234,7 +234,9 @@ def compile_graph(gm, example_inputs, ctx):
             )
 
         start, before = time.perf_counter(), metrics.transfer_snapshot()
-        bumped = compat.aot_version_bumped_inputs()
+        # aot_autograd increments the versions of inputs a forward or inference graph
+        # mutates before each call; its backward increments nothing
+        bumped = frozenset() if ctx.kind == "backward" else compat.aot_version_bumped_inputs()
         lowered = relower(True, real_inputs)
         seconds = time.perf_counter() - start
         transfers = metrics.transfer_snapshot().minus(before)
@@ -268,6 +270,7 @@ def compile_graph(gm, example_inputs, ctx):
             return StitchedExecutable(ctx.name, lowered, host_values=on_host)
         return XlaExecutable(
             ctx.name, lowered, relower, host_values=on_host, version_bumped=bumped,
+            record_outputs=ctx.kind == "inference", requested=frozenset(requested),
             requestable=choice.requestable if settings.donation and real_inputs is None else (),
             sharded=compat.is_spmd(),
         )

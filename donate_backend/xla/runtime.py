@@ -79,7 +79,7 @@ def has_identity_storage(t: torch.Tensor) -> bool:
 
 class _Installed:
     """The tensors holding a buffer no other tensor can hold: target -> (what it
-    held then, its version then).
+    held then, its XLA tensor's id, its version then).
 
     A write-back (``install_value``) or a result handed to the program leaves a
     tensor holding a new buffer with no IR node. Everything that can share the
@@ -94,9 +94,12 @@ class _Installed:
     """
 
     def __init__(self):
-        self._entries: dict = {}  # id(tensor) -> (weakref, value identity, version)
+        self._entries: dict = {}  # id(tensor) -> (weakref, value identity, tensor id, version, pin)
 
-    def record(self, t: torch.Tensor) -> None:
+    def record(self, t: torch.Tensor, pin: torch.Tensor) -> None:
+        """``pin``: another tensor on ``t``'s buffer, kept with the record so that
+        the buffer's device data object cannot be freed and its address reused
+        for another tensor's (which would make a changed ``t`` look unchanged)."""
         held = compat.value_identity(t)
         if ", " in held:  # it has an IR node already
             self.forget(t)
@@ -106,7 +109,7 @@ class _Installed:
         ref = entry[0] if entry is not None and entry[0]() is t else weakref.ref(
             t, lambda _, key=key, entries=self._entries: entries.pop(key, None)
         )
-        self._entries[key] = (ref, held, t._version)
+        self._entries[key] = (ref, held, compat.tensor_id(t), t._version, pin)
 
     def forget(self, t: torch.Tensor) -> None:
         entry = self._entries.get(id(t))
@@ -121,8 +124,9 @@ class _Installed:
         return (
             entry is not None
             and entry[0]() is t
-            and entry[2] + bumped == t._version
+            and entry[3] + bumped == t._version
             and entry[1] == compat.value_identity(t)
+            and entry[2] == compat.tensor_id(t)
         )
 
 
@@ -148,7 +152,11 @@ def _donor_shares_a_tensor(device_args: Sequence, donors: Sequence[int]) -> bool
 
 
 def donatable_buffers(
-    args: Sequence, device_args: Sequence, donors: Sequence[int], version_bumped: Optional[frozenset]
+    args: Sequence,
+    device_args: Sequence,
+    donors: Sequence[int],
+    version_bumped: Optional[frozenset],
+    requested: frozenset = frozenset(),
 ) -> Optional[tuple]:
     """Whether this call can donate, per call (between two calls the program can
     copy a donor, view it, read it or pass it twice).
@@ -158,7 +166,9 @@ def donatable_buffers(
     the tensors behind the donors now (the caller keeps them while the buffers
     are donated), and ``shared``, the positions in ``donors`` of donors whose
     buffer another tensor may hold (``_Installed``): the call donates a copy of
-    those. A host tensor uploaded for this call holds its buffer alone.
+    those. A host tensor uploaded for this call holds its buffer alone, and a
+    donation the program ``requested`` (``dynamo_set_buffer_donor_``,
+    ``_set_buffer_donation``) is its own promise that nothing else reads it.
     """
     donor_tensors = [device_args[i] for i in donors]
     if _donors_passed_twice(args, donors) or not identity_storages(donor_tensors):
@@ -170,7 +180,7 @@ def donatable_buffers(
         return None
     shared = [
         k for k, i in enumerate(donors)
-        if args[i] is device_args[i] and (
+        if args[i] is device_args[i] and i not in requested and (
             version_bumped is None or not _installed.holds_alone(device_args[i], int(i in version_bumped))
         )
     ]
@@ -201,6 +211,8 @@ class XlaExecutable:
         relower: Callable[[bool, list], LoweredGraph],
         host_values=None,
         version_bumped: Optional[frozenset] = None,
+        record_outputs: bool = False,
+        requested: frozenset = frozenset(),
         requestable: tuple = (),
         sharded: bool = False,
     ):
@@ -216,6 +228,10 @@ class XlaExecutable:
         self.calls_copying_donors = 0  # calls that donated copies of donors others may share
         self._exclusive: dict = {}  # id(variant) -> _exclusive_results(variant)
         self._version_bumped = version_bumped  # compat.aot_version_bumped_inputs(); None: unknown
+        # inference graphs (optimizer steps) return new state a later call donates; a
+        # forward's outputs (activations, the loss) are not worth the record
+        self._record_outputs = record_outputs
+        self._requested = requested  # donations the program asked for in the graph
         self._host_values = host_values  # host.HostPart: values computed on the host
         self._requestable = requestable  # inputs donated when their buffer is flagged
         self._flag_count: Optional[int] = None  # torch_xla's XlaSetBufferDonation at the last look
@@ -241,8 +257,9 @@ class XlaExecutable:
         on_host = self._host_values(args) if self._host_values is not None else ()
         exclusive = self._exclusive.get(id(lowered))
         if exclusive is None:
-            exclusive = self._exclusive[id(lowered)] = _exclusive_results(lowered)
-        self._write_back(args, lowered, results, exclusive)
+            exclusive = self._exclusive[id(lowered)] = _exclusive_results(lowered, self._record_outputs)
+        installed = self._installed_results(results, exclusive)
+        self._write_back(args, lowered, results, installed)
         if self._host_values is not None:
             with torch.no_grad():
                 for input_index, k in self._host_values.writebacks:
@@ -250,9 +267,11 @@ class XlaExecutable:
         self._held = held  # lets go of the previous call's (its execution is done by now)
         outputs = []
         for slot in lowered.outputs:
-            value = on_host[slot.index] if slot.kind == "host" else self._output(slot, args, results)
-            if slot.kind == "result" and exclusive[slot.index] and not slot.to_host:
-                _installed.record(value)
+            if slot.kind == "result" and slot.index in installed and not slot.to_host:
+                value = installed[slot.index]
+                _installed.record(value, pin=results[slot.index])
+            else:
+                value = on_host[slot.index] if slot.kind == "host" else self._output(slot, args, results)
             outputs.append(value)
         return outputs
 
@@ -307,7 +326,9 @@ class XlaExecutable:
         if not lowered.donors:
             return lowered, []
         self._settle_if_sharded()
-        checked = donatable_buffers(args, device_args, lowered.donors, self._version_bumped)
+        checked = donatable_buffers(
+            args, device_args, lowered.donors, self._version_bumped, self._requested | flagged
+        )
         if checked is not None:
             held, shared = checked
             if not shared:
@@ -336,6 +357,22 @@ class XlaExecutable:
                 "buffers (read outside a compiled graph, or not yet written by donate_xla)",
                 self.graph_name, [donors[k] for k in shared],
             )
+
+    def _installed_results(self, results: list, exclusive: list) -> dict:
+        """Result index -> a new tensor on that result's buffer, to install (``_write_back``).
+
+        The result tensor itself stays with the record as its pin
+        (``_Installed.record``). Making the new tensors reads the results' buffer
+        handles; on a mesh a result still being computed has none yet (see
+        ``_settle_if_sharded``), so there the call waits for its execution first.
+        """
+        if not exclusive or not results:
+            return {}
+        self._settle_if_sharded()
+        _, fresh = compat.device_data_nodes([results[k] for k in exclusive])
+        if len(fresh) != len(exclusive):  # two results on one buffer: install nothing
+            return {}
+        return dict(zip(exclusive, fresh))
 
     def _settle_if_sharded(self) -> None:
         if self._wait_before_checks:
@@ -378,16 +415,17 @@ class XlaExecutable:
         return lowered, results
 
     @staticmethod
-    def _write_back(args: list, lowered: LoweredGraph, results: list, exclusive=None) -> None:
+    def _write_back(args: list, lowered: LoweredGraph, results: list, installed=None) -> None:
         """In-place semantics for the caller: views of a written input see its new
         value and its version counter moves, as after an in-place op.
 
-        A result only this input receives is installed (``compat.install_value``):
-        the input takes the result's XLA tensor, so it holds the new buffer with no
-        IR node, and ``_installed`` records that it holds it alone. Any other is
-        ``copy_``-ed (IR that reads the result's buffer; executes nothing), and the
-        input is not recorded. ``exclusive`` None: copy every result (stitched
-        graphs, whose results are lazy). Nothing waits for the device.
+        ``installed`` (``_installed_results``): result index -> a tensor to install
+        into the input that alone receives that result (``compat.install_value``:
+        the input then holds the new buffer with no IR node, and ``_installed``
+        records that it holds it alone). Every other result is ``copy_``-ed (IR
+        that reads the result's buffer; executes nothing), and its input is not
+        recorded. ``installed`` None: copy every result (stitched graphs, whose
+        results are lazy). Nothing waits for the device.
         """
         if not lowered.writebacks:
             return
@@ -397,8 +435,10 @@ class XlaExecutable:
                 new_value = results[result_index]
                 if not target.is_xla:
                     target.copy_(new_value.cpu())
-                elif exclusive is not None and exclusive[result_index] and compat.install_value(target, new_value):
-                    _installed.record(target)
+                elif installed is not None and result_index in installed and compat.install_value(
+                    target, installed[result_index]
+                ):
+                    _installed.record(target, pin=new_value)
                 else:
                     target.copy_(new_value)
                     _installed.forget(target)
@@ -413,11 +453,16 @@ class XlaExecutable:
         return value.cpu() if slot.to_host else value
 
 
-def _exclusive_results(lowered: LoweredGraph) -> list:
-    """Per HLO result: True if exactly one write-back or device output takes it."""
+def _exclusive_results(lowered: LoweredGraph, outputs_too: bool) -> list:
+    """The HLO results exactly one write-back (or, ``outputs_too``, one device
+    output) takes and nothing else does: those are installed and recorded."""
     uses = collections.Counter(k for _, k in lowered.writebacks)
-    uses.update(slot.index for slot in lowered.outputs if slot.kind == "result")
-    return [uses[k] == 1 for k in range(len(lowered.results))]
+    outputs = [slot.index for slot in lowered.outputs if slot.kind == "result"]
+    uses.update(outputs)
+    candidates = {k for _, k in lowered.writebacks}
+    if outputs_too:
+        candidates.update(outputs)
+    return sorted(k for k in candidates if uses[k] == 1)
 
 
 def materialized_device_args(args: list, device: torch.device) -> list:
