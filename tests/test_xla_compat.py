@@ -31,7 +31,7 @@ REQUIRED = [
     ("_xla_warm_up_cache", lambda: compat.warm_up_cache([_some_xla_tensor() * 2])),
     ("_run_cached_graph", lambda: compat.run_cached_graph(b"0" * 32, [])),
     ("_xla_sync_multi", lambda: compat.sync([_some_xla_tensor()], wait=True)),
-    ("_xla_sync_live_tensors", lambda: compat.sync_live_tensors(torch_xla.device())),
+    ("_xla_sync_live_tensors", lambda: compat.sync_live_tensors_async(torch_xla.device())),
     ("_xla_wait_device_ops", compat.wait_device_ops if HAS_TORCH_XLA else None),
     ("_get_base_seed_as_tensor", lambda: compat.base_seed_tensor(torch_xla.device())),
     ("_xla_get_rng_seed", compat.rng_seed if HAS_TORCH_XLA else None),

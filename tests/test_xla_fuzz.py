@@ -23,6 +23,11 @@ FEATURES = {
     "returns a reduction": r"return \(.*\.sum\(\)",
     "BatchNorm": r"S\.bn\(",
     "layer or group norm": r"F\.(layer|group)_norm\(",
+    "eager backup copy between calls": r"#\s+K\[\d\] = backup_of\(",
+    "eager swap and restore between calls": r"#\s+t\.copy_\(torch\.full_like",
+    "eager .data copies between calls": r"#\s+t\.data\.copy_\(",
+    "eager read between calls": r"#\s+_ = float\(t\.norm\(\)\)",
+    "torch_xla.sync() between calls": r"#\s+sync\(\)",
 }
 
 

@@ -20,7 +20,12 @@ Python source, the way users write training code:
 - one or two backward/optimizer phases per function (GAN-style), manual SGD,
   gradient accumulation across calls, ``zero_grad`` either way;
 - returns that mix inputs, views, detaches, reductions, losses and buffers,
-  so several outputs alias one another or an input.
+  so several outputs alias one another or an input;
+- eager code between calls (half the scenarios, its own random stream): a
+  backup ``copy_`` of a parameter, buffer or optimizer state tensor into a
+  tensor made before training, a swap-in-and-restore of it (EMA evaluation),
+  two ``.data.copy_`` of uploads into it, an eager read or EMA update, and
+  ``torch_xla.sync()``; the backups are compared like the state.
 
 The functions are called in a random order for several steps, sharing the
 state. After every call the outputs and every piece of state (parameters,
@@ -82,6 +87,7 @@ class Scenario:
     functions: list  # (name, source)
     calls: list  # function index per step
     eval_calls: frozenset = frozenset()  # steps that run with the state in eval mode
+    between: dict = dataclasses.field(default_factory=dict)  # step -> eager statements after it
 
     def source(self) -> str:
         parts = [f"# seed {self.seed}; tied W1 is W0: {self.tied}; eval mode at steps {sorted(self.eval_calls)}"]
@@ -89,6 +95,7 @@ class Scenario:
         parts += [f"# args: {self.args}"]
         parts += [src for _, src in self.functions]
         parts += [f"# calls: {[self.functions[i][0] for i in self.calls]}"]
+        parts += [f"# eager after call {k}:\n" + textwrap.indent(src, "#   ") for k, src in sorted(self.between.items())]
         return "\n".join(parts)
 
 
@@ -260,6 +267,39 @@ class _Body:
         self.emit(f"return ({', '.join(chosen)},)")
 
 
+# tensors the eager code between calls copies from, reads or swaps (``state_tensor``
+# also reaches optimizer state once it exists)
+_BETWEEN_SOURCES = ["S.W0", "S.b0", "S.W1", "S.M0", "S.v0", "state_tensor(opts, 0)", "state_tensor(opts, 1)"]
+
+
+def _between_statements(rng: random.Random) -> str:
+    """Eager code run between two calls: what users do outside the compiled step."""
+    lines = []
+    for _ in range(rng.randint(1, 3)):
+        source = rng.choice(_BETWEEN_SOURCES)
+        slot = f"K[{_BETWEEN_SOURCES.index(source)}]"
+        kind = rng.choice(["backup", "swap", "data_copies", "read", "ema", "sync"])
+        lines.append(f"t = {source}")
+        lines.append("if t is not None:")
+        if kind == "backup":
+            lines.append(f"    {slot} = backup_of(K, {_BETWEEN_SOURCES.index(source)}, t)")
+        elif kind == "swap":
+            lines.append(f"    {slot} = backup_of(K, {_BETWEEN_SOURCES.index(source)}, t)")
+            lines.append("    t.copy_(torch.full_like(t, 0.5))")
+            lines.append(f"    t.copy_({slot})")
+        elif kind == "data_copies":
+            lines.append("    t.data.copy_(torch.full_like(t, 0.25))")
+            lines.append(f"    {slot} = upload_like(t, {rng.choice([0.1, -0.2, 0.3])})")
+            lines.append(f"    t.data.copy_({slot})")
+        elif kind == "read":
+            lines.append("    _ = float(t.norm())")
+        elif kind == "ema":
+            lines.append("    S.v1.mul_(0.5).add_(t.reshape(-1)[: S.v1.numel()].reshape(S.v1.shape), alpha=0.5)")
+        else:
+            lines.append("    sync()")
+    return "\n".join(lines)
+
+
 def generate(seed: int) -> Scenario:
     rng = random.Random(seed)
     tied = rng.random() < 0.15
@@ -299,7 +339,11 @@ def generate(seed: int) -> Scenario:
         functions.append((f"f{f}", f"def f{f}({signature}):\n" + "\n".join(body.lines)))
     calls = [rng.randrange(len(functions)) for _ in range(rng.randint(3, 5))]
     eval_calls = frozenset(k for k in range(len(calls)) if norms and norm_rng.random() < 0.3)
-    return Scenario(seed, tied, optimizers, args, functions, calls, eval_calls)
+    between_rng = random.Random(seed * 17 + 3)  # own stream: the rest stays that of the seed
+    between = {}
+    if between_rng.random() < 0.5:
+        between = {k: _between_statements(between_rng) for k in range(len(calls) - 1) if between_rng.random() < 0.6}
+    return Scenario(seed, tied, optimizers, args, functions, calls, eval_calls, between)
 
 
 # -- running -----------------------------------------------------------------------------
@@ -344,6 +388,24 @@ def _to_cpu(value):
     return value
 
 
+def state_tensor(opts: list, k: int):
+    """The k-th optimizer state tensor of the first optimizer, if it exists yet."""
+    tensors = [
+        v for opt in opts for p_state in opt.state.values() for _, v in sorted(p_state.items())
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    return tensors[k] if k < len(tensors) else None
+
+
+def backup_of(kept: dict, k: int, t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into the backup made before training for source ``k`` (or a new one)."""
+    backup = kept.get(k)
+    if backup is None or backup.shape != t.shape:
+        backup = torch.zeros_like(t)
+    backup.copy_(t)
+    return backup
+
+
 def _state_values(state: State, opts: list, args: dict) -> dict:
     values = {}
     for name, p in state.named_parameters(remove_duplicate=False):
@@ -370,7 +432,13 @@ def run(scenario: Scenario, device: torch.device, compiled, backend: str = "dona
     g = torch.Generator().manual_seed(scenario.seed + 1)
     args = {name: torch.randn(*shape, generator=g).to(device) for name, shape in scenario.args}
     opts: list = [None] * len(scenario.optimizers)
+    kept = {k: torch.zeros(D, D).to(device) for k in range(len(_BETWEEN_SOURCES))}  # made before training
     namespace = {"torch": torch, "F": torch.nn.functional, "S": state, "opts": opts}
+    between_namespace = dict(
+        namespace, K=kept, state_tensor=state_tensor, backup_of=backup_of,
+        upload_like=lambda like, v: torch.full(tuple(like.shape), v).to(device),
+        sync=(torch_xla.sync if device.type == "xla" else lambda: None),
+    )
     for k, expr in enumerate(scenario.optimizers):
         opts[k] = eval(expr, namespace)  # noqa: S307 - our own generated source
     functions = []
@@ -387,7 +455,11 @@ def run(scenario: Scenario, device: torch.device, compiled, backend: str = "dona
         try:
             out = functions[index](x, y, *args.values())
             result.outputs.append(out)
-            result.snapshots.append((_to_cpu(out), _state_values(state, opts, args)))
+            if step in scenario.between:
+                with torch.no_grad():
+                    exec(scenario.between[step], between_namespace)  # noqa: S102 - our own generated source
+            values = dict(args, **{f"K[{k}]": v for k, v in kept.items()})
+            result.snapshots.append((_to_cpu(out), _state_values(state, opts, values)))
         except Exception as exc:  # noqa: BLE001 - compared with the other run
             result.error = exc
             return result

@@ -390,10 +390,6 @@ def sync(tensors: Sequence[torch.Tensor], wait: bool) -> None:
     _required("_xla_sync_multi")(list(tensors), devices=[], wait=wait, sync_xla_data=True)
 
 
-def sync_live_tensors(device: torch.device) -> None:
-    _required("_xla_sync_live_tensors")(str(device), [], True)
-
-
 def wait_device_ops() -> None:
     """Wait until every execution scheduled on the devices has finished (and so every
     result buffer of one exists)."""

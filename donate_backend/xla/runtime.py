@@ -151,6 +151,21 @@ def _donor_shares_a_tensor(device_args: Sequence, donors: Sequence[int]) -> bool
     return any(counts[i] > 1 for i in compat.tensor_ids([device_args[i] for i in donors]))
 
 
+def _buffers_of_their_own(device_args: Sequence, donors: Sequence[int]) -> bool:
+    """No other argument holds one of these donors' buffers. Two tensors synced
+    together from one IR value (``exp_avg`` and ``exp_avg_sq`` both
+    ``zeros_like(p)``) can come back as one buffer. Only asked of donations the
+    program requested: a donor ``_Installed`` vouches for holds its buffer alone,
+    and any other is copied."""
+    tensors = [a for a in device_args if isinstance(a, torch.Tensor) and a.is_xla]
+    identities = compat.buffer_identities(tensors)
+    if len(set(identities)) == len(identities):
+        return True
+    counts = collections.Counter(identities)
+    position = {id(t): k for k, t in enumerate(tensors)}
+    return all(counts[identities[position[id(device_args[i])]]] == 1 for i in donors)
+
+
 def donatable_buffers(
     args: Sequence,
     device_args: Sequence,
@@ -174,6 +189,9 @@ def donatable_buffers(
     if _donors_passed_twice(args, donors) or not identity_storages(donor_tensors):
         return None
     if _donor_shares_a_tensor(device_args, donors):
+        return None
+    trusted = [i for i in donors if i in requested]
+    if trusted and not _buffers_of_their_own(device_args, trusted):
         return None
     held = compat.functional_values(donor_tensors)
     if held is None:
