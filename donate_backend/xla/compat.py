@@ -119,22 +119,28 @@ def functional_values(tensors: Sequence[torch.Tensor]) -> Optional[list]:
     return [unwrap(t) for t in tensors]
 
 
-def install_value(target: torch.Tensor, source: torch.Tensor) -> bool:
-    """Make ``target`` hold ``source``'s value as an in-place update would (its views
-    see it, its version counter moves), by handing it ``source``'s XLA tensor
-    instead of building IR that reads it (what ``copy_`` does), so that ``target``
-    holds the buffer with no IR node: nothing else can have read it yet. False
-    (nothing done) if a tensor is not functionalized or torch lacks the API."""
+def install_values(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[bool]:
+    """Make each target hold its source's value as an in-place update would (its views
+    see it, its version counter moves), by handing it the source's XLA tensor
+    instead of building IR that reads it (what ``copy_`` does), so that the target
+    holds the buffer with no IR node: nothing else can have read it yet. Per pair,
+    False (nothing done) if a tensor is not functionalized or torch lacks the API."""
     replace = _torch_api(torch, "_functionalize_replace")
     commit = _torch_api(torch, "_functionalize_commit_update")
     bump = _torch_api(torch.autograd.graph, "increment_version")
-    values = functional_values([target, source])
-    if replace is None or commit is None or bump is None or values is None:
-        return False
-    replace(target, values[1])
-    commit(target)
-    bump(target)
-    return True
+    unwrap = _torch_api(torch, "_from_functional_tensor")
+    is_functional = _torch_api(torch, "_is_functional_tensor")
+    if None in (replace, commit, bump, unwrap, is_functional):
+        return [False] * len(targets)
+    done = []
+    for target, source in zip(targets, sources):
+        ok = is_functional(target) and is_functional(source)
+        if ok:
+            replace(target, unwrap(source))
+            commit(target)
+        done.append(ok)
+    bump([t for t, ok in zip(targets, done) if ok])
+    return done
 
 
 def aot_version_bumped_inputs() -> Optional[frozenset]:

@@ -81,7 +81,7 @@ class _Installed:
     """The tensors holding a buffer no other tensor can hold: target -> (what it
     held then, its XLA tensor's id, its version then).
 
-    A write-back (``install_value``) or a result handed to the program leaves a
+    A write-back (``compat.install_values``) or a result handed to the program leaves a
     tensor holding a new buffer with no IR node. Everything that can share the
     buffer with another tensor goes through an IR node: ``q.copy_(p)``, a view
     or an eager op on ``p`` first give ``p`` an IR node (``value_identity``
@@ -96,34 +96,44 @@ class _Installed:
     def __init__(self):
         self._entries: dict = {}  # id(tensor) -> (weakref, value identity, tensor id, version, pin)
 
-    def record(self, t: torch.Tensor, pin: torch.Tensor) -> None:
-        """``pin``: another tensor on ``t``'s buffer, kept with the record so that
-        the buffer's device data object cannot be freed and its address reused
-        for another tensor's (which would make a changed ``t`` look unchanged)."""
-        held = compat.value_identity(t)
-        if ", " in held:  # it has an IR node already
-            self.forget(t)
-            return
-        key = id(t)
-        entry = self._entries.get(key)
-        ref = entry[0] if entry is not None and entry[0]() is t else weakref.ref(
-            t, lambda _, key=key, entries=self._entries: entries.pop(key, None)
-        )
-        self._entries[key] = (ref, held, compat.tensor_id(t), t._version, pin)
+    def record(self, tensors: Sequence[torch.Tensor], pins: Sequence[torch.Tensor]) -> None:
+        """``pins``: per tensor, another tensor on its buffer, kept with the record so
+        that the buffer's device data object cannot be freed and its address reused
+        for another tensor's (which would make a changed tensor look unchanged)."""
+        for t, pin, held, tensor_id in zip(tensors, pins, compat.value_identities(tensors), compat.tensor_ids(tensors)):
+            if ", " in held:  # it has an IR node already
+                self.forget(t)
+                continue
+            key = id(t)
+            entry = self._entries.get(key)
+            ref = entry[0] if entry is not None and entry[0]() is t else weakref.ref(
+                t, lambda _, key=key, entries=self._entries: entries.pop(key, None)
+            )
+            self._entries[key] = (ref, held, tensor_id, t._version, pin)
 
     def forget(self, t: torch.Tensor) -> None:
         entry = self._entries.get(id(t))
         if entry is not None and entry[0]() is t:
             del self._entries[id(t)]
 
-    def holds_alone(self, t: torch.Tensor, bumped: int) -> bool:
-        """``bumped``: by how much aot_autograd moved the version since the record
-        (its runtime wrapper increments the versions of inputs the graph mutates
-        before calling it)."""
-        entry = self._entries.get(id(t))
+    def holding_alone(self, tensors: Sequence[torch.Tensor], bumped: Sequence[int]) -> list:
+        """Per tensor, whether its record still matches. ``bumped``: by how much
+        aot_autograd moved each version since the record (its runtime wrapper
+        increments the versions of inputs the graph mutates before calling it)."""
+        entries = [self._entries.get(id(t)) for t in tensors]
+        if any(e is None for e in entries):
+            return [e is not None and self.matches(e, t, b) for e, t, b in zip(entries, tensors, bumped)]
+        held = compat.value_identities(tensors)
+        ids = compat.tensor_ids(tensors)
+        return [
+            e[0]() is t and e[3] + b == t._version and e[1] == h and e[2] == i
+            for e, t, b, h, i in zip(entries, tensors, bumped, held, ids)
+        ]
+
+    @staticmethod
+    def matches(entry: tuple, t: torch.Tensor, bumped: int) -> bool:
         return (
-            entry is not None
-            and entry[0]() is t
+            entry[0]() is t
             and entry[3] + bumped == t._version
             and entry[1] == compat.value_identity(t)
             and entry[2] == compat.tensor_id(t)
@@ -196,11 +206,13 @@ def donatable_buffers(
     held = compat.functional_values(donor_tensors)
     if held is None:
         return None
+    if version_bumped is None:  # aot_autograd's increments unknown: no record can be read
+        alone = [False] * len(donors)
+    else:
+        alone = _installed.holding_alone(donor_tensors, [int(i in version_bumped) for i in donors])
     shared = [
-        k for k, i in enumerate(donors)
-        if args[i] is device_args[i] and i not in requested and (
-            version_bumped is None or not _installed.holds_alone(device_args[i], int(i in version_bumped))
-        )
+        k for k, (i, ok) in enumerate(zip(donors, alone))
+        if not ok and args[i] is device_args[i] and i not in requested
     ]
     return held, shared
 
@@ -283,14 +295,17 @@ class XlaExecutable:
                 for input_index, k in self._host_values.writebacks:
                     args[input_index].copy_(on_host[k])
         self._held = held  # lets go of the previous call's (its execution is done by now)
-        outputs = []
+        outputs, fresh, pins = [], [], []
         for slot in lowered.outputs:
             if slot.kind == "result" and slot.index in installed and not slot.to_host:
                 value = installed[slot.index]
-                _installed.record(value, pin=results[slot.index])
+                fresh.append(value)
+                pins.append(results[slot.index])
             else:
                 value = on_host[slot.index] if slot.kind == "host" else self._output(slot, args, results)
             outputs.append(value)
+        if fresh:
+            _installed.record(fresh, pins)
         return outputs
 
     def _plain_variant(self, device_args: list) -> LoweredGraph:
@@ -438,7 +453,7 @@ class XlaExecutable:
         value and its version counter moves, as after an in-place op.
 
         ``installed`` (``_installed_results``): result index -> a tensor to install
-        into the input that alone receives that result (``compat.install_value``:
+        into the input that alone receives that result (``compat.install_values``:
         the input then holds the new buffer with no IR node, and ``_installed``
         records that it holds it alone). Every other result is ``copy_``-ed (IR
         that reads the result's buffer; executes nothing), and its input is not
@@ -447,19 +462,29 @@ class XlaExecutable:
         """
         if not lowered.writebacks:
             return
+        installs = []  # (target, tensor to install, the result as the record's pin)
         with torch.no_grad():
             for input_index, result_index in lowered.writebacks:
                 target = args[input_index]
                 new_value = results[result_index]
                 if not target.is_xla:
                     target.copy_(new_value.cpu())
-                elif installed is not None and result_index in installed and compat.install_value(
-                    target, installed[result_index]
-                ):
-                    _installed.record(target, pin=new_value)
+                elif installed is not None and result_index in installed:
+                    installs.append((target, installed[result_index], new_value))
                 else:
                     target.copy_(new_value)
                     _installed.forget(target)
+            if not installs:
+                return
+            targets = [t for t, _, _ in installs]
+            done = compat.install_values(targets, [fresh for _, fresh, _ in installs])
+            for (target, _, new_value), ok in zip(installs, done):
+                if not ok:
+                    target.copy_(new_value)
+                    _installed.forget(target)
+        _installed.record(
+            [t for t, ok in zip(targets, done) if ok], [pin for (_, _, pin), ok in zip(installs, done) if ok]
+        )
 
     @staticmethod
     def _output(slot, args: list, results: list):
