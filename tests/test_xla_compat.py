@@ -13,6 +13,7 @@ if HAS_TORCH_XLA:
     import donate_backend
     from donate_backend.xla import compat
     from donate_backend.xla.lower import lower
+    from xla_models import linear_sgd_momentum
 
 
 def _some_xla_tensor():
@@ -176,24 +177,13 @@ def _sgd_steps(xla_device, steps=4):
     results = []
     for device, backend in ((xla_device, "donate_xla"), (torch.device("cpu"), None)):
         torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 3).to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-        def step(x):
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        step = torch.compile(step, backend=backend) if backend else step
-        x = torch.randn(8, 4).to(device)
+        compile_fn = (lambda f: torch.compile(f, backend=backend)) if backend else (lambda f: f)
+        params, _, step, x = linear_sgd_momentum(device, compile_fn)
         try:
             losses = [step(x).cpu() for _ in range(steps)]
         finally:
             XlaExecutable.__init__ = init
-        results.append((losses, [p.cpu() for p in model.parameters()]))
+        results.append((losses, [p.cpu() for p in params]))
     counts = [(o.calls_copying_donors, o.calls_without_donation) for o in made if o.lowered.donors]
     torch.testing.assert_close(results[0], results[1])
     return counts

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 if HAS_TORCH_XLA:
     import torch_xla
 
+    from xla_models import linear_sgd_momentum
+
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
@@ -463,21 +465,8 @@ def test_copy_out_of_a_donated_tensor_stays_valid(source, swap, made, sync):
     (EMA evaluation), with or without a ``torch_xla.sync()`` in between."""
 
     def run(device, compile_fn):
-        torch.manual_seed(0)
         early = [torch.zeros(3, 4, device=device), torch.zeros(3, device=device)]
-        model = torch.nn.Linear(4, 3).to(device)
-        params = list(model.parameters())
-        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-        @compile_fn
-        def step(x):
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        x = torch.randn(8, 4).to(device)
+        params, opt, step, x = linear_sgd_momentum(device, compile_fn)
         losses = [step(x) for _ in range(2)]
         sources = params if source == "parameters" else [opt.state[p]["momentum_buffer"] for p in params]
         backup = early if made == "before_training" else [torch.zeros_like(s) for s in sources]
@@ -507,20 +496,7 @@ def test_two_data_copies_into_a_donated_parameter_keep_the_source_valid():
     of ``b`` failed: "Buffer has been deleted or donated")."""
 
     def run(device, compile_fn):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 3).to(device)
-        params = list(model.parameters())
-        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-        @compile_fn
-        def step(x):
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        x = torch.randn(8, 4).to(device)
+        params, _, step, x = linear_sgd_momentum(device, compile_fn)
         losses = [step(x) for _ in range(3)]
         kept = []
         with torch.no_grad():
@@ -546,21 +522,8 @@ def test_parameters_read_eagerly_between_steps_are_copied_then_donated_again(cap
     caplog.set_level(logging.INFO, logger="donate_xla")
 
     def run(device, compile_fn):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 3).to(device)
-        params = list(model.parameters())
+        params, _, step, x = linear_sgd_momentum(device, compile_fn)
         ema = [p.detach().clone() for p in params]
-        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-        @compile_fn
-        def step(x):
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        x = torch.randn(8, 4).to(device)
         out = []
         for i in range(5):
             out.append(step(x))

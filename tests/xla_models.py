@@ -155,3 +155,21 @@ def train(case: Case, backend: Optional[str], steps: int = 5, seed: int = 0, dev
         opt_state=_state_tensors(opt),
         buffers=[b.detach().cpu().clone() for b in model.buffers()],
     )
+
+
+def linear_sgd_momentum(device, compile_fn=lambda f: f, seed: int = 0):
+    """A Linear(4, 3) trained by SGD with momentum, its step (``compile_fn``-ed) and an
+    input: the smallest program whose optimizer step donates parameters and state.
+    Returns (parameters, optimizer, step, x)."""
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return list(model.parameters()), opt, compile_fn(step), torch.randn(8, 4).to(device)
