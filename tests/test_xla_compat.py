@@ -213,3 +213,12 @@ def test_without_an_exclusivity_api_values_stay_right(xla_device, monkeypatch, o
     monkeypatch.setattr(compat, "_torch_api", lambda o, n: None if n == name else real(o, n))
     counts = _sgd_steps(xla_device)
     assert counts and all(copying + plain >= 1 for copying, plain in counts)
+
+
+def test_without_view_metas_only_tensors_that_are_not_views_are_donatable(xla_device, monkeypatch):
+    from donate_backend.xla.runtime import identity_storages
+
+    base = torch.randn(4, 3).to(xla_device)
+    assert identity_storages([base]) and not identity_storages([base.t()])
+    monkeypatch.delattr(torch._C._functionalization, "get_view_meta_sequence")
+    assert identity_storages([base]) and not identity_storages([base, base.t()])

@@ -56,15 +56,8 @@ _IDENTITY_VIEWS = ("detach_ViewMeta", "alias_ViewMeta", "lift_fresh_ViewMeta")
 
 
 def identity_storages(tensors: Sequence[torch.Tensor]) -> bool:
-    """``has_identity_storage`` of every tensor, in one pass."""
-    get_sequence = getattr(torch._C._functionalization, "get_view_meta_sequence", None)
-    if get_sequence is None:
-        return not any(t._is_view() for t in tensors)
-    return all(type(meta).__name__ in _IDENTITY_VIEWS for t in tensors for meta in get_sequence(t))
-
-
-def has_identity_storage(t: torch.Tensor) -> bool:
-    """False for a functionalization view (``t()``, ``view()``...) of another tensor.
+    """False if one of the tensors is a functionalization view (``t()``,
+    ``view()``...) of another tensor.
 
     Such a tensor's base storage still reads the old buffer after an in-place
     update, so donating it would leave the base pointing at a deleted buffer.
@@ -73,8 +66,8 @@ def has_identity_storage(t: torch.Tensor) -> bool:
     """
     get_sequence = getattr(torch._C._functionalization, "get_view_meta_sequence", None)
     if get_sequence is None:  # unknown torch: only plain, non-view tensors are donated
-        return not t._is_view()
-    return all(type(meta).__name__ in _IDENTITY_VIEWS for meta in get_sequence(t))
+        return not any(t._is_view() for t in tensors)
+    return all(type(meta).__name__ in _IDENTITY_VIEWS for t in tensors for meta in get_sequence(t))
 
 
 class _Installed:
