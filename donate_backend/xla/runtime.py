@@ -249,7 +249,7 @@ class XlaExecutable:
         self._checked: set = set()  # hashes whose results were checked against the plan
         self._held: list = []  # tensors on the buffers the last call donated (_choose_variant)
         self.calls_copying_donors = 0  # calls that donated copies of donors others may share
-        self._exclusive: dict = {}  # id(variant) -> _exclusive_results(variant)
+        self._exclusive: dict = {}  # id(variant) -> (variant, _exclusive_results(variant))
         self._version_bumped = version_bumped  # compat.aot_version_bumped_inputs(); None: unknown
         # inference graphs (optimizer steps) return new state a later call donates; a
         # forward's outputs (activations, the loss) are not worth the record
@@ -278,9 +278,10 @@ class XlaExecutable:
         if lowered.graph_hash is not None:
             lowered, results = self._run(lowered, device_args)
         on_host = self._host_values(args) if self._host_values is not None else ()
-        exclusive = self._exclusive.get(id(lowered))
-        if exclusive is None:
-            exclusive = self._exclusive[id(lowered)] = _exclusive_results(lowered, self._record_outputs)
+        cached = self._exclusive.get(id(lowered))
+        if cached is None or cached[0] is not lowered:  # a variant lowered again is a new object
+            cached = self._exclusive[id(lowered)] = (lowered, _exclusive_results(lowered, self._record_outputs))
+        exclusive = cached[1]
         installed = self._installed_results(results, exclusive)
         self._write_back(args, lowered, results, installed)
         if self._host_values is not None:
