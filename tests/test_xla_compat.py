@@ -222,3 +222,58 @@ def test_without_view_metas_only_tensors_that_are_not_views_are_donatable(xla_de
     assert identity_storages([base]) and not identity_storages([base.t()])
     monkeypatch.delattr(torch._C._functionalization, "get_view_meta_sequence")
     assert identity_storages([base]) and not identity_storages([base, base.t()])
+
+
+def _stitched_sgd_steps(xla_device, steps=5):
+    """Like ``_sgd_steps``, stitched: each stitched graph with donors gives (calls that
+    flagged buffers for donation, calls that flagged none)."""
+    from donate_backend import config
+    from donate_backend.xla.runtime import StitchedExecutable
+
+    made = []
+    init = StitchedExecutable.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    StitchedExecutable.__init__ = recording_init
+    results = []
+    try:
+        for device, backend in ((xla_device, "donate_xla"), (torch.device("cpu"), None)):
+            torch._dynamo.reset()
+            compile_fn = (lambda f: torch.compile(f, backend=backend)) if backend else (lambda f: f)
+            params, _, step, x = linear_sgd_momentum(device, compile_fn)
+            with config.patch(stitch=True):
+                losses = [step(x) for _ in range(steps)]
+            results.append(([loss.cpu() for loss in losses], [p.cpu() for p in params]))
+    finally:
+        StitchedExecutable.__init__ = init
+    torch.testing.assert_close(results[0], results[1])
+    return [(s.calls_donating, s.calls_without_donation) for s in made if s._donors]
+
+
+def test_stitched_steady_steps_donate_what_they_recorded(xla_device):
+    counts = _stitched_sgd_steps(xla_device)
+    # the first step's graph (momentum created) donates nothing: its parameters were
+    # not written by donate_xla; it writes them, so the steady graph flags its buffers
+    # at each of its calls
+    assert sorted(counts) == [(0, 1), (4, 0)]
+
+
+def test_without_torch_xla_copy_counter_stitched_steps_donate_nothing(xla_device, monkeypatch):
+    """Without the counter a pending write-back is never confirmed: values stay right."""
+    real = compat._optional
+    monkeypatch.setattr(compat, "_optional", lambda n: None if n == "_xla_counter_value" else real(n))
+    assert compat.copies_between_tensors() is None
+    counts = _stitched_sgd_steps(xla_device)
+    assert counts and all(donating == 0 for donating, _ in counts)
+
+
+@pytest.mark.parametrize("name", ["_functionalize_replace", "_from_functional_tensor"])
+def test_without_functionalization_apis_stitched_values_stay_right(xla_device, monkeypatch, name):
+    """Without them stitched write-backs fall back to ``copy_`` and nothing is recorded."""
+    real = compat._torch_api
+    monkeypatch.setattr(compat, "_torch_api", lambda o, n: None if n == name else real(o, n))
+    counts = _stitched_sgd_steps(xla_device)
+    assert counts and all(donating == 0 for donating, _ in counts)

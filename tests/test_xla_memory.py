@@ -95,7 +95,9 @@ def test_a_stitched_graph_stops_reordering_after_a_few_orders(xla_device, monkey
     made = []
     monkeypatch.setattr(compat, "reordered_computation", lambda c, values, order, name: made.append(order) or order)
     own = object()
-    stitched = runtime.StitchedExecutable("graph 0 forward", types.SimpleNamespace(computation=own))
+    stitched = runtime.StitchedExecutable(
+        "graph 0 forward", types.SimpleNamespace(computation=own, writebacks=(), outputs=())
+    )
     tensors = [torch.zeros(1).to(xla_device) for _ in range(3)]  # ids ascending
     orders = [[0, 1, 2], [2, 0, 1], [1, 2, 0], [0, 2, 1], [1, 0, 2], [2, 1, 0]]
     chosen = [stitched._in_pairing_order([tensors[k] for k in order]) for order in orders]

@@ -452,17 +452,39 @@ def test_batch_norm_running_variance_uses_the_unbiased_batch_variance():
     run_against_eager(program)
 
 
+STITCHED = pytest.mark.parametrize("stitched", [False, True], ids=["executables", "stitched"])
+
+
+def _compiled_under(stitched: bool):
+    """The XLA run's ``compile_fn``: ``torch.compile`` with donate_xla, the step's calls
+    made with ``DONATE_XLA_STITCH`` on or off (the switch is read per call)."""
+    from donate_backend import config
+
+    def compile_fn(f):
+        compiled = torch.compile(f, backend="donate_xla")
+
+        def call(*args):
+            with config.patch(stitch=stitched):
+                return compiled(*args)
+
+        return call
+
+    return compile_fn
+
+
+@STITCHED
 @pytest.mark.parametrize("source", ["parameters", "momentum"])
 @pytest.mark.parametrize("swap", [False, True], ids=["backup", "backup_swap_restore"])
 @pytest.mark.parametrize("made", ["before_training", "after_warm_up"])
 @pytest.mark.parametrize("sync", [False, True], ids=["no_sync", "torch_xla_sync"])
-def test_copy_out_of_a_donated_tensor_stays_valid(source, swap, made, sync):
+def test_copy_out_of_a_donated_tensor_stays_valid(source, swap, made, sync, stitched):
     """``backup.copy_(p)`` makes torch_xla's ``backup`` read ``p``'s buffer; a later
     donating step must not hand that buffer to XLA. Before the fix the next read of
     ``backup`` failed with "Check failed: handle->HasValue()" (torch_xla's own tags
     name only the last tensor synced to a buffer). Patterns: keep a copy of the
     weights or of optimizer state, or swap other values in and restore the copy
-    (EMA evaluation), with or without a ``torch_xla.sync()`` in between."""
+    (EMA evaluation), with or without a ``torch_xla.sync()`` in between. Stitched,
+    the copies read the step's pending values (nothing has run yet)."""
 
     def run(device, compile_fn):
         early = [torch.zeros(3, 4, device=device), torch.zeros(3, device=device)]
@@ -483,17 +505,20 @@ def test_copy_out_of_a_donated_tensor_stays_valid(source, swap, made, sync):
         losses += [step(x) for _ in range(2)]
         return losses, backup, params
 
-    got = run(torch_xla.device(), lambda f: torch.compile(f, backend="donate_xla"))
+    got = run(torch_xla.device(), _compiled_under(stitched))
     expected = run(torch.device("cpu"), lambda f: f)
     assert_close_tree(got, expected, "losses, copies, parameters")
 
 
-def test_two_data_copies_into_a_donated_parameter_keep_the_source_valid():
+@STITCHED
+def test_two_data_copies_into_a_donated_parameter_keep_the_source_valid(stitched):
     """``p.data.copy_(a)`` frees ``p``'s buffer without moving ``p``'s version; the next
     upload can get a device data object at the freed address, and ``p.data.copy_(b)``
     then makes ``p`` hold ``b``'s buffer at the address donate_xla recorded. Without
     the record's pin on the old buffer the next step donated ``b``'s buffer (the read
-    of ``b`` failed: "Buffer has been deleted or donated")."""
+    of ``b`` failed: "Buffer has been deleted or donated"). Stitched, torch_xla's sync
+    donated it through its buffer tags (the same failure) until stitched steps donated
+    only what they record."""
 
     def run(device, compile_fn):
         params, _, step, x = linear_sgd_momentum(device, compile_fn)
@@ -508,9 +533,79 @@ def test_two_data_copies_into_a_donated_parameter_keep_the_source_valid():
         losses += [step(x) for _ in range(2)]
         return losses, kept, params
 
-    got = run(torch_xla.device(), lambda f: torch.compile(f, backend="donate_xla"))
+    got = run(torch_xla.device(), _compiled_under(stitched))
     expected = run(torch.device("cpu"), lambda f: f)
     assert_close_tree(got, expected, "losses, sources, parameters")
+
+
+@pytest.mark.parametrize(
+    "between", ["data_copy", "backup_copy", "clone", "detach", "data_copy_of_detached"]
+)
+@pytest.mark.parametrize("sync", [False, True], ids=["no_sync", "torch_xla_sync"])
+def test_eager_code_before_a_stitched_step_has_run_keeps_its_values(between, sync):
+    """A stitched step runs later (at the sync or the next step). Eager code in between
+    sees lazy parameters: ``p.data.copy_(u)`` makes the sync hand ``p`` the buffer of
+    ``u`` without moving ``p``'s version or XLA tensor, so the next step must not donate
+    it; a backup ``copy_`` or a ``clone`` of the pending value gets a buffer of its
+    own; a ``detach`` shares the parameter's storage and follows it. Values equal
+    eager, and the steps after donate again (the parameters keep their buffers)."""
+
+    def run(device, compile_fn):
+        params, opt, step, x = linear_sgd_momentum(device, compile_fn)
+        losses = [step(x) for _ in range(2)]
+        kept = []
+        with torch.no_grad():
+            for p in params:
+                if between == "data_copy":
+                    u = (torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) / 7).to(device)
+                    p.data.copy_(u)
+                    kept.append(u)
+                elif between == "backup_copy":
+                    kept.append(torch.zeros_like(p).copy_(p))
+                elif between == "clone":
+                    kept.append(p.clone())
+                elif between == "detach":
+                    kept.append(p.detach())
+                else:
+                    u = torch.full_like(p, 0.125)
+                    p.detach().data.copy_(u)
+                    kept.append(u)
+        if sync and device.type == "xla":
+            torch_xla.sync()
+        losses += [step(x) for _ in range(3)]
+        return losses, kept, params, [opt.state[p]["momentum_buffer"] for p in params]
+
+    got = run(torch_xla.device(), _compiled_under(True))
+    expected = run(torch.device("cpu"), lambda f: f)
+    assert_close_tree(got, expected, "losses, kept tensors, parameters, momentum")
+
+
+def test_a_stitched_step_donates_again_after_a_copy_suspended_it():
+    """A ``copy_`` between a stitched step and its run suspends donation for one step
+    (``_Pending``); the steps after give every parameter and state tensor its own
+    buffer back."""
+    import torch_xla.core.xla_model as xm
+
+    from donate_backend import config
+
+    device = torch_xla.device()
+    params, opt, step, x = linear_sgd_momentum(device, lambda f: torch.compile(f, backend="donate_xla"))
+    with config.patch(stitch=True):
+        for _ in range(2):
+            step(x)
+        scratch = torch.zeros(3, device=device)
+        scratch.copy_(params[1])  # any copy_ into an XLA tensor
+        for _ in range(3):
+            step(x)
+        torch_xla.sync()
+        xm.wait_device_ops()
+        state = params + [opt.state[p]["momentum_buffer"] for p in params]
+        before = [torch_xla._XLAC._unsafe_buffer_pointer(t) for t in state]
+        step(x)
+        torch_xla.sync()
+        xm.wait_device_ops()
+    assert [torch_xla._XLAC._unsafe_buffer_pointer(t) for t in state] == before
+    assert scratch.cpu().shape == (3,)
 
 
 def test_parameters_read_eagerly_between_steps_are_copied_then_donated_again(caplog):

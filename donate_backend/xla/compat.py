@@ -119,6 +119,39 @@ def functional_values(tensors: Sequence[torch.Tensor]) -> Optional[list]:
     return [unwrap(t) for t in tensors]
 
 
+def rewrap_values(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[bool]:
+    """Hand each target its source's XLA tensor, which holds the same value (another
+    tensor on the target's own buffer): like ``install_values`` but the version
+    counter does not move, as the value does not change. Per pair, False if a
+    tensor is not functionalized or torch lacks the API."""
+    replace = _torch_api(torch, "_functionalize_replace")
+    commit = _torch_api(torch, "_functionalize_commit_update")
+    unwrap = _torch_api(torch, "_from_functional_tensor")
+    is_functional = _torch_api(torch, "_is_functional_tensor")
+    if None in (replace, commit, unwrap, is_functional):
+        return [False] * len(targets)
+    done = []
+    for target, source in zip(targets, sources):
+        ok = is_functional(target) and is_functional(source)
+        if ok:
+            replace(target, unwrap(source))
+            commit(target)
+        done.append(ok)
+    return done
+
+
+def copies_between_tensors() -> Optional[int]:
+    """How many ``copy_`` calls into XLA tensors torch_xla has lowered so far (its
+    ``xla::copy`` counter), or None if unknown. A ``copy_`` from a tensor that holds
+    a buffer makes the destination read that buffer; ``p.data.copy_(u)`` does so
+    without moving ``p``'s version. Only copies move it: not uploads (``.to``)."""
+    value = _optional("_xla_counter_value")
+    if value is None:
+        return None
+    count = value("xla::copy")
+    return 0 if count is None else int(count)
+
+
 def install_values(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[bool]:
     """Make each target hold its source's value as an in-place update would (its views
     see it, its version counter moves), by handing it the source's XLA tensor

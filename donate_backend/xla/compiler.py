@@ -211,7 +211,7 @@ def compile_graph(gm, example_inputs, ctx):
         real_inputs = device_args if compat.is_spmd() else None
         choice = choose_donors(gm, examples, ctx, roles)
         stitch = settings.stitch and real_inputs is None and not symbolic
-        # stitched, torch_xla's sync donates the buffers of the tensors a step updates
+        # stitched, the buffers are donated at the sync (StitchedExecutable), not in the HLO
         active = choice.donors if settings.donation and not stitch else []
         requested = choice.requested if settings.donation and not stitch else []
 
@@ -267,7 +267,10 @@ def compile_graph(gm, example_inputs, ctx):
             )
         )
         if stitch:
-            return StitchedExecutable(ctx.name, lowered, host_values=on_host)
+            return StitchedExecutable(
+                ctx.name, lowered, host_values=on_host,
+                donors=choice.donors if settings.donation else (), version_bumped=bumped,
+            )
         return XlaExecutable(
             ctx.name, lowered, relower, host_values=on_host, version_bumped=bumped,
             record_outputs=ctx.kind == "inference", requested=frozenset(requested),

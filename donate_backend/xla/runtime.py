@@ -123,6 +123,22 @@ class _Installed:
             for e, t, b, h, i in zip(entries, tensors, bumped, held, ids)
         ]
 
+    def stand_ins(self, values: Sequence) -> list:
+        """Per value, the pin of a tensor whose record still matches (it holds the
+        same buffer, so the same value), else the value itself. A stitched graph
+        reads the pins in place of the tensors: lazy IR that reads a tensor gives
+        it an IR node, which would end its record (``StitchedExecutable``)."""
+        positions = [k for k, v in enumerate(values) if isinstance(v, torch.Tensor) and id(v) in self._entries]
+        if not positions:
+            return values
+        tensors = [values[k] for k in positions]
+        out = list(values)
+        for k, t, held, tensor_id in zip(positions, tensors, compat.value_identities(tensors), compat.tensor_ids(tensors)):
+            entry = self._entries.get(id(t))
+            if entry is not None and entry[0]() is t and entry[1] == held and entry[2] == tensor_id:
+                out[k] = entry[4]
+        return out
+
     @staticmethod
     def matches(entry: tuple, t: torch.Tensor, bumped: int) -> bool:
         return (
@@ -134,6 +150,65 @@ class _Installed:
 
 
 _installed = _Installed()
+
+
+class _Pending:
+    """Stitched write-backs whose results have not run yet: target -> (the result
+    tensor installed into it, that tensor's id, the target's version then).
+
+    Once the results have buffers, ``confirm`` moves each target whose value is
+    still that result into ``_installed`` (a new tensor on the buffer installed
+    into it, the result kept as the pin, as ``XlaExecutable`` does). Until then a
+    target holds lazy IR, and two things can leave it holding another tensor's
+    buffer without moving its version or its XLA tensor: ``t.data.copy_(u)``
+    (the sync hands ``t`` the buffer of ``u``) and nothing else we know of; so a
+    target is confirmed only if no ``copy_`` into an XLA tensor ran since the
+    write-back (``compat.copies_between_tensors``). A ``copy_`` from the pending
+    value itself (a backup of the new parameter) gets a buffer of its own.
+    """
+
+    def __init__(self):
+        self._entries: list = []  # (weakref to target, result, result's tensor id, version)
+        self._copies: Optional[int] = None  # the copy counter after the last write-back
+
+    def add(self, targets: Sequence[torch.Tensor], results: Sequence[torch.Tensor]) -> None:
+        copies = compat.copies_between_tensors()
+        if self._entries and (copies is None or copies != self._copies):
+            self._entries = []  # a copy_ since the earlier write-backs: they cannot be confirmed
+        for target, result, tensor_id in zip(targets, results, compat.tensor_ids(targets)):
+            self._entries.append((weakref.ref(target), result, tensor_id, target._version))
+        self._copies = copies
+
+    def confirm(self) -> None:
+        """Record the targets whose results have buffers now; forget them all if a
+        ``copy_`` ran since the write-backs."""
+        if not self._entries:
+            return
+        if self._copies is None or compat.copies_between_tensors() != self._copies:
+            self._entries = []
+            return
+        results = [result for _, result, _, _ in self._entries]
+        ran = [not pending for pending in compat.need_materialization(results)]
+        if not all(ran):  # all or none: they belong to one lazy graph
+            return
+        entries, self._entries = self._entries, []
+        targets = [ref() for ref, _, _, _ in entries]
+        live = [
+            (t, result) for t, (_, result, tensor_id, version) in zip(targets, entries)
+            if t is not None and t._version == version and compat.tensor_id(t) == tensor_id
+            and ", " not in compat.value_identity(t)
+        ]
+        if not live:
+            return
+        _, fresh = compat.device_data_nodes([result for _, result in live])
+        if len(fresh) != len(live):  # two results on one buffer
+            return
+        done = compat.rewrap_values([t for t, _ in live], fresh)
+        kept = [(t, result) for (t, result), ok in zip(live, done) if ok]
+        _installed.record([t for t, _ in kept], [result for _, result in kept])
+
+
+_pending = _Pending()
 
 
 def _donors_passed_twice(args: Sequence, donors: Sequence[int]) -> bool:
@@ -595,6 +670,34 @@ def donor_pairing_order(ids: Sequence[int]) -> tuple:
     return tuple(sorted(range(len(ids)), key=ids.__getitem__, reverse=True))
 
 
+def _install_lazy(args: list, lowered: LoweredGraph, results: list) -> list:
+    """Write a stitched graph's lazy results back by handing each input its result's
+    XLA tensor (``compat.install_values``), not by ``copy_``; returns the
+    (target, result) pairs installed.
+
+    After a ``copy_`` the input's new value would descend from its old one, and
+    torch_xla's sync donates every buffer tagged with the old value's tensor id,
+    whether or not another tensor still holds it (a backup copied from the
+    parameter, an upload ``p.data.copy_``-ed into it). A result's tensor is new,
+    so no buffer carries its id: nothing is donated through the tags. Which
+    buffers a stitched step donates is ``StitchedExecutable``'s choice.
+    """
+    installed = []
+    if not lowered.writebacks:
+        return installed
+    with torch.no_grad():
+        for input_index, result_index in lowered.writebacks:
+            target, new_value = args[input_index], results[result_index]
+            _installed.forget(target)
+            if not target.is_xla:
+                target.copy_(new_value.cpu())
+            elif compat.install_values([target], [new_value])[0]:
+                installed.append((target, result_index))
+            else:
+                target.copy_(new_value)
+    return installed
+
+
 class StitchedExecutable:
     """``DONATE_XLA_STITCH=1``: a graph that does not run on its own.
 
@@ -604,18 +707,35 @@ class StitchedExecutable:
     lazy graph, which XLA compiles once (its computation cache) and runs as a
     single executable: activations and gradients are temporaries inside it,
     freed as they are consumed, as in torch_xla's whole-step lazy mode, while
-    nothing is traced op by op again. torch_xla's sync aliases the buffers of
-    updated tensors (parameters, optimizer state), so they are still donated.
+    nothing is traced op by op again.
 
     The lazy graph runs when something reads a result, at ``torch_xla.sync()``,
     or when this graph is called again while its previous call has not run:
     that starts every pending graph as one execution (without waiting), so the
     lazy graph stays one training step long.
+
+    Donation: write-backs install the result tensors (``_install_lazy``), so
+    torch_xla's buffer tags donate nothing (a tag names only the last tensor
+    synced to a buffer). A result that alone updates its input is remembered
+    (``_pending``) and, once it has run, recorded like an executable's
+    (``_installed``). At the next call that updates the input, a donor whose
+    record still matches has its buffer flagged for donation
+    (``compat.set_buffer_donation``), and the sync that runs the step donates
+    it. Any other donor (the first step, a parameter read or replaced since)
+    is not donated that step. Graphs read recorded tensors through their pins
+    (``_Installed.stand_ins``): reading them would end their records.
     """
 
     _boxed_call = True
 
-    def __init__(self, graph_name: str, lowered: LoweredGraph, host_values=None):
+    def __init__(
+        self,
+        graph_name: str,
+        lowered: LoweredGraph,
+        host_values=None,
+        donors: Sequence[int] = (),
+        version_bumped: Optional[frozenset] = None,
+    ):
         self.graph_name = graph_name
         self.lowered = lowered
         self.last_call = lowered
@@ -625,6 +745,11 @@ class StitchedExecutable:
         self._last_result: Optional[torch.Tensor] = None  # one result of the previous call
         self.calls_started = 0  # calls that started the pending lazy graph
         self._reordered: dict = {}  # operand order -> computation taking them so (donor_pairing_order)
+        self._donors = tuple(donors)  # inputs whose buffers may be donated (parameters, state)
+        self._version_bumped = version_bumped  # compat.aot_version_bumped_inputs(); None: unknown
+        self._exclusive = frozenset(_exclusive_results(lowered, outputs_too=False))
+        self.calls_donating = 0  # calls that flagged buffers for donation
+        self.calls_without_donation = 0  # calls with donors that flagged none
 
     def __call__(self, args: list):
         return self.run(list(args), None)
@@ -636,14 +761,20 @@ class StitchedExecutable:
                 a.to(self.device) if isinstance(a, torch.Tensor) and not a.is_xla else a for a in args
             ]
         self._start_previous_step()
+        _pending.confirm()
+        if self._donors:
+            self._flag_donors(args, device_args)
         results = []
         if lowered.graph_hash is not None:
-            values = XlaExecutable._param_values(self, lowered, device_args)
+            values = _installed.stand_ins(XlaExecutable._param_values(self, lowered, device_args))
             computation, values = self._in_pairing_order(values)
             results = compat.user_computation(self._opname, values, computation)
             self._last_result = results[-1]
         on_host = self._host_values(args) if self._host_values is not None else ()
-        XlaExecutable._write_back(args, lowered, results)  # lazy results: copied, not recorded
+        installed = _install_lazy(args, lowered, results)
+        alone = [(t, results[k]) for t, k in installed if k in self._exclusive]
+        if alone:
+            _pending.add([t for t, _ in alone], [r for _, r in alone])
         if self._host_values is not None:
             with torch.no_grad():
                 for input_index, k in self._host_values.writebacks:
@@ -652,6 +783,22 @@ class StitchedExecutable:
             on_host[slot.index] if slot.kind == "host" else XlaExecutable._output(slot, args, results)
             for slot in lowered.outputs
         ]
+
+    def _flag_donors(self, args: list, device_args: list) -> None:
+        """Flag the buffers of the donors whose record matches (``donatable_buffers``)
+        for donation at the sync that runs this call."""
+        checked = donatable_buffers(args, device_args, self._donors, self._version_bumped)
+        flagged = 0
+        if checked is not None:
+            shared = set(checked[1])
+            flagged = sum(
+                compat.set_buffer_donation(device_args[i], True)
+                for k, i in enumerate(self._donors) if k not in shared
+            )
+        if flagged:
+            self.calls_donating += 1
+        else:
+            self.calls_without_donation += 1
 
     def _in_pairing_order(self, values: list) -> tuple:
         """(computation, operands) with the operands in ``donor_pairing_order``."""
