@@ -88,6 +88,21 @@ def test_random_training_program_matches_eager(seed):
     assert outcome.status != "failed", f"seed {seed}: {outcome.detail}\n{outcome.source}"
 
 
+# stitched steps (DONATE_XLA_STITCH=1); 50043 donated a buffer another tensor still
+# held before stitched steps donated only what they record
+STITCHED_SEEDS = [50_043, *range(10_040, 10_060)]
+
+
+@pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
+@pytest.mark.parametrize("seed", STITCHED_SEEDS)
+def test_random_training_program_matches_eager_stitched(seed):
+    from donate_backend import config
+
+    with config.patch(stitch=True):
+        outcome = xla_fuzz.check(seed)
+    assert outcome.status != "failed", f"seed {seed} stitched: {outcome.detail}\n{outcome.source}"
+
+
 @pytest.mark.parametrize("with_batch_norm", [False, True])
 def test_agreeing_with_eager_torch_xla_excuses_nothing_with_batch_norm(monkeypatch, with_batch_norm):
     """A deviation from the CPU that eager torch_xla shares is numerics, except with
