@@ -633,3 +633,46 @@ def test_parameters_read_eagerly_between_steps_are_copied_then_donated_again(cap
     expected = run(torch.device("cpu"), lambda f: f)
     assert_close_tree(got, expected, "losses and norms, EMA, parameters")
     assert any("donated copies" in m for m in caplog.messages)
+
+
+@pytest.mark.parametrize(
+    "stitched_part", ["forward_backward", "optimizer"], ids=["stitched_forward", "stitched_optimizer"]
+)
+def test_stitched_and_unstitched_graphs_in_one_program_keep_their_values(stitched_part):
+    """A program can mix stitched graphs with executables (the switch changed between
+    calls; dynamic-shape graphs are never stitched). A stitched forward reads recorded
+    parameters through their pins, so the parameters show no sign of the pending read;
+    the optimizer executable then donated their buffers before the stitched graph had
+    run, and the next read of the loss failed ("buffer ... is deleted"). Executables
+    that donate start pending stitched graphs first."""
+    import contextlib
+
+    from donate_backend import config
+
+    def run(device, compile_fn, switched):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(8, 4).to(device)
+
+        def forward_backward(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        def optimizer():
+            opt.step()
+            opt.zero_grad()
+
+        fb, o = compile_fn(forward_backward), compile_fn(optimizer)
+        losses = []
+        for _ in range(4):
+            with switched(stitched_part == "forward_backward"):
+                losses.append(fb(x))
+            with switched(stitched_part == "optimizer"):
+                o()
+        return losses, list(model.parameters()), [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+
+    got = run(torch_xla.device(), lambda f: torch.compile(f, backend="donate_xla"), lambda on: config.patch(stitch=on))
+    expected = run(torch.device("cpu"), lambda f: f, lambda on: contextlib.nullcontext())
+    assert_close_tree(got, expected, "losses, parameters, momentum")

@@ -137,7 +137,7 @@ class _Installed:
             entry = self._entries.get(id(t))
             if entry is not None and entry[0]() is t and entry[1] == held and entry[2] == tensor_id:
                 out[k] = entry[4]
-        return out
+        return out if any(a is not b for a, b in zip(out, values)) else values
 
     @staticmethod
     def matches(entry: tuple, t: torch.Tensor, bumped: int) -> bool:
@@ -209,6 +209,32 @@ class _Pending:
 
 
 _pending = _Pending()
+
+
+class _StitchedPending:
+    """Whether a stitched graph that may not have run yet reads a buffer behind a
+    tensor's back: through a pin (``_Installed.stand_ins``: the tensor shows no
+    sign of the read, that is what the pins are for) or one flagged for donation
+    (``StitchedExecutable._flag_donors``: any step-marker sync donates it, also
+    one that runs only part of the pending graph).
+
+    Until it has run, every executable call first starts every pending lazy
+    graph (``materialized_device_args``, without waiting): an execution that
+    donates is then ordered after the ones that read, and no pending IR (a
+    partial sync of the call's inputs would leave some) reads a donated
+    buffer. Only programs that mix stitched and unstitched graphs pay
+    for it (dynamic shapes, or the switch changed between calls)."""
+
+    def __init__(self):
+        self.pending = False
+
+    def settle(self, device: torch.device) -> None:
+        if self.pending:
+            compat.sync_live_tensors_async(device)
+            self.pending = False
+
+
+_stitched_pending = _StitchedPending()
 
 
 def _donors_passed_twice(args: Sequence, donors: Sequence[int]) -> bool:
@@ -579,6 +605,7 @@ def _exclusive_results(lowered: LoweredGraph, outputs_too: bool) -> list:
 
 def materialized_device_args(args: list, device: torch.device) -> list:
     """``args`` with host tensors moved to ``device`` and pending IR made concrete."""
+    _stitched_pending.settle(device)
     device_args = list(args)
     tensors, uploaded = [], []
     for i, a in enumerate(args):
@@ -766,8 +793,11 @@ class StitchedExecutable:
             self._flag_donors(args, device_args)
         results = []
         if lowered.graph_hash is not None:
-            values = _installed.stand_ins(XlaExecutable._param_values(self, lowered, device_args))
-            computation, values = self._in_pairing_order(values)
+            values = XlaExecutable._param_values(self, lowered, device_args)
+            read = _installed.stand_ins(values)
+            if read is not values:
+                _stitched_pending.pending = True
+            computation, values = self._in_pairing_order(read)
             results = compat.user_computation(self._opname, values, computation)
             self._last_result = results[-1]
         on_host = self._host_values(args) if self._host_values is not None else ()
@@ -797,6 +827,7 @@ class StitchedExecutable:
             )
         if flagged:
             self.calls_donating += 1
+            _stitched_pending.pending = True
         else:
             self.calls_without_donation += 1
 
@@ -818,4 +849,5 @@ class StitchedExecutable:
         previous, self._last_result = self._last_result, None
         if previous is not None and compat.need_materialization([previous])[0]:
             compat.sync_live_tensors_async(self.device)
+            _stitched_pending.pending = False
             self.calls_started += 1
