@@ -103,6 +103,19 @@ def test_random_training_program_matches_eager_stitched(seed):
     assert outcome.status != "failed", f"seed {seed} stitched: {outcome.detail}\n{outcome.source}"
 
 
+# calls stitched or not at random (--mixed); 58047 and 58048 read a donated buffer before
+# executables started pending stitched graphs first
+MIXED_SEEDS = [58_047, 58_048, *range(10_060, 10_070)]
+
+
+@pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
+@pytest.mark.parametrize("seed", MIXED_SEEDS)
+def test_random_training_program_matches_eager_mixed(seed, monkeypatch):
+    monkeypatch.setenv(xla_fuzz.MIXED_ENV, "1")
+    outcome = xla_fuzz.check(seed)
+    assert outcome.status != "failed", f"seed {seed} mixed: {outcome.detail}\n{outcome.source}"
+
+
 @pytest.mark.parametrize("with_batch_norm", [False, True])
 def test_agreeing_with_eager_torch_xla_excuses_nothing_with_batch_norm(monkeypatch, with_batch_norm):
     """A deviation from the CPU that eager torch_xla shares is numerics, except with

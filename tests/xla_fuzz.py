@@ -35,6 +35,10 @@ catches a buffer donated while an earlier output still reads it.
 
 A scenario that eager PyTorch itself rejects is "invalid" and not compared.
 
+``--mixed`` runs each call stitched or not at random (``DONATE_XLA_STITCH`` is read per
+call), so stitched graphs and executables share state; ``DONATE_XLA_STITCH=1`` fuzzes
+stitched steps alone.
+
 Run ``python tests/xla_fuzz.py --count 2000`` (``make fuzz``; ``make fuzz-native``,
 ``make fuzz-mesh``); pytest runs a small budget of each (tests/test_xla_fuzz.py,
 tests/test_native_fuzz.py, tests/test_xla_spmd.py). A failure prints the seed and the
@@ -58,6 +62,9 @@ import torch
 import torch.nn.functional as F  # noqa: F401 - used by generated code
 
 MESH_ENV = "DONATE_XLA_FUZZ_MESH"  # set by ``--path mesh`` in its worker processes
+# set by ``--mixed``: each donate_xla call on XLA runs stitched or not at random (the
+# switch is read per call), so stitched graphs and executables share state
+MIXED_ENV = "DONATE_XLA_FUZZ_MIXED"
 MESH_DEVICES = "4"
 
 try:  # before any backward runs: torch_xla registers its device with the autograd engine
@@ -447,13 +454,21 @@ def run(scenario: Scenario, device: torch.device, compiled, backend: str = "dona
         fn = namespace[name]
         functions.append(torch.compile(fn, backend=backend) if compiled else fn)
     result = Run([], [])
+    mixed = compiled and backend == "donate_xla" and device.type == "xla" and os.environ.get(MIXED_ENV) == "1"
+    coin = random.Random(scenario.seed * 31 + 7)
     for step, index in enumerate(scenario.calls):
         state.train(step not in scenario.eval_calls)
         gb = torch.Generator().manual_seed(scenario.seed * 100 + step)
         x = torch.randn(N, D, generator=gb).to(device)
         y = torch.randn(N, D, generator=gb).to(device)
         try:
-            out = functions[index](x, y, *args.values())
+            if mixed:
+                from donate_backend import config
+
+                with config.patch(stitch=coin.random() < 0.5):
+                    out = functions[index](x, y, *args.values())
+            else:
+                out = functions[index](x, y, *args.values())
             result.outputs.append(out)
             if step in scenario.between:
                 with torch.no_grad():
@@ -616,8 +631,14 @@ def main() -> int:
         help="xla: donate_xla on torch_xla's device; mesh: the same in SPMD mode on a 4-device "
         "mesh, tensors replicated; native: on the CPU (its native path)",
     )
+    parser.add_argument(
+        "--mixed", action="store_true",
+        help="xla path: run each call stitched or not at random (DONATE_XLA_STITCH per call)",
+    )
     parser.add_argument("--worker", nargs=2, metavar=("SEEDS", "PROGRESS"), help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    if opts.mixed:
+        os.environ[MIXED_ENV] = "1"  # the workers inherit it
     if opts.worker:
         seeds = json.loads(opts.worker[0])
         print(json.dumps(_run_chunk(seeds, opts.worker[1], opts.path)))
