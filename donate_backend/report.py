@@ -119,7 +119,10 @@ def format_record(r: GraphRecord) -> str:
             f"  recomputation kept in order: {r.recompute_gated} roots wait for the gradient before them"
         )
     if r.stitched:
-        lines.append("  stitched: runs inside the lazy whole-step graph; torch_xla's sync donates")
+        lines.append(
+            "  stitched: runs inside the lazy whole-step graph; the sync donates the parameters' and "
+            "state's buffers the exclusivity record vouches for"
+        )
     if r.host_input_bytes:
         lines.append(f"  host tensors uploaded per call: {r.host_input_bytes} B")
     if r.input_shapes is not None:
