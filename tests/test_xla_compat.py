@@ -161,32 +161,42 @@ def test_a_reordered_computation_takes_its_operands_in_the_new_order(xla_device)
     assert result.cpu().tolist() == [4.0, 5.0]  # a - b, not b - a
 
 
-def _sgd_steps(xla_device, steps=4):
-    """Losses and weights of a compiled SGD-momentum step on XLA, and the optimizer
-    executable's (calls copying donors, calls without donation), then the same on the CPU."""
-    from donate_backend.xla.runtime import XlaExecutable
+def _sgd_executables(xla_device, kind, steps: int, stitch: bool = False) -> list:
+    """Run a compiled SGD-momentum step ``steps`` times on XLA (``stitch``: stitched),
+    then eagerly on the CPU; assert equal losses and weights; return the ``kind``
+    objects (``XlaExecutable`` or ``StitchedExecutable``) the XLA run made."""
+    from donate_backend import config
 
     made = []
-    init = XlaExecutable.__init__
+    init = kind.__init__
 
     def recording_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
         made.append(self)
 
-    XlaExecutable.__init__ = recording_init
+    kind.__init__ = recording_init
     results = []
-    for device, backend in ((xla_device, "donate_xla"), (torch.device("cpu"), None)):
-        torch._dynamo.reset()
-        compile_fn = (lambda f: torch.compile(f, backend=backend)) if backend else (lambda f: f)
-        params, _, step, x = linear_sgd_momentum(device, compile_fn)
-        try:
-            losses = [step(x).cpu() for _ in range(steps)]
-        finally:
-            XlaExecutable.__init__ = init
-        results.append((losses, [p.cpu() for p in params]))
-    counts = [(o.calls_copying_donors, o.calls_without_donation) for o in made if o.lowered.donors]
+    try:
+        for device, backend in ((xla_device, "donate_xla"), (torch.device("cpu"), None)):
+            torch._dynamo.reset()
+            compile_fn = (lambda f: torch.compile(f, backend=backend)) if backend else (lambda f: f)
+            params, _, step, x = linear_sgd_momentum(device, compile_fn)
+            with config.patch(stitch=stitch):
+                losses = [step(x) for _ in range(steps)]
+            results.append(([loss.cpu() for loss in losses], [p.cpu() for p in params]))
+            kind.__init__ = init
+    finally:
+        kind.__init__ = init
     torch.testing.assert_close(results[0], results[1])
-    return counts
+    return made
+
+
+def _sgd_steps(xla_device, steps=4):
+    """The optimizer executables' (calls copying donors, calls without donation)."""
+    from donate_backend.xla.runtime import XlaExecutable
+
+    made = _sgd_executables(xla_device, XlaExecutable, steps)
+    return [(o.calls_copying_donors, o.calls_without_donation) for o in made if o.lowered.donors]
 
 
 def test_with_every_exclusivity_api_steady_steps_donate_their_own_buffers(xla_device):
@@ -225,31 +235,11 @@ def test_without_view_metas_only_tensors_that_are_not_views_are_donatable(xla_de
 
 
 def _stitched_sgd_steps(xla_device, steps=5):
-    """Like ``_sgd_steps``, stitched: each stitched graph with donors gives (calls that
-    flagged buffers for donation, calls that flagged none)."""
-    from donate_backend import config
+    """Stitched: each stitched graph with donors gives (calls that flagged buffers for
+    donation, calls that flagged none)."""
     from donate_backend.xla.runtime import StitchedExecutable
 
-    made = []
-    init = StitchedExecutable.__init__
-
-    def recording_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    StitchedExecutable.__init__ = recording_init
-    results = []
-    try:
-        for device, backend in ((xla_device, "donate_xla"), (torch.device("cpu"), None)):
-            torch._dynamo.reset()
-            compile_fn = (lambda f: torch.compile(f, backend=backend)) if backend else (lambda f: f)
-            params, _, step, x = linear_sgd_momentum(device, compile_fn)
-            with config.patch(stitch=True):
-                losses = [step(x) for _ in range(steps)]
-            results.append(([loss.cpu() for loss in losses], [p.cpu() for p in params]))
-    finally:
-        StitchedExecutable.__init__ = init
-    torch.testing.assert_close(results[0], results[1])
+    made = _sgd_executables(xla_device, StitchedExecutable, steps, stitch=True)
     return [(s.calls_donating, s.calls_without_donation) for s in made if s._donors]
 
 

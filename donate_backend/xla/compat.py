@@ -158,20 +158,10 @@ def install_values(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tens
     instead of building IR that reads it (what ``copy_`` does), so that the target
     holds the buffer with no IR node: nothing else can have read it yet. Per pair,
     False (nothing done) if a tensor is not functionalized or torch lacks the API."""
-    replace = _torch_api(torch, "_functionalize_replace")
-    commit = _torch_api(torch, "_functionalize_commit_update")
     bump = _torch_api(torch.autograd.graph, "increment_version")
-    unwrap = _torch_api(torch, "_from_functional_tensor")
-    is_functional = _torch_api(torch, "_is_functional_tensor")
-    if None in (replace, commit, bump, unwrap, is_functional):
+    if bump is None:
         return [False] * len(targets)
-    done = []
-    for target, source in zip(targets, sources):
-        ok = is_functional(target) and is_functional(source)
-        if ok:
-            replace(target, unwrap(source))
-            commit(target)
-        done.append(ok)
+    done = rewrap_values(targets, sources)
     bump([t for t, ok in zip(targets, done) if ok])
     return done
 
