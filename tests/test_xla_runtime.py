@@ -224,3 +224,23 @@ def test_host_step_counters_are_computed_on_the_host(xla_device):
     lowered = opt_record.lowered
     host_inputs = {e.index for e in opt_record.excluded if e.reason == aliasing.HOST_SCALAR}
     assert host_inputs and not host_inputs & {i for i, _ in lowered.writebacks}
+
+
+def test_a_stitched_result_two_inputs_receive_gives_each_its_own_tensor(xla_device):
+    """Stitched write-backs hand each input its result's XLA tensor; one result taken by
+    two write-backs is cloned, so the two inputs hold the value in tensors of their own
+    (an update of one never touches the other, and the sync gives each a buffer)."""
+    import types
+
+    from donate_backend.xla import compat, runtime
+
+    a, b, c = (torch.zeros(3).to(xla_device) for _ in range(3))
+    result = torch.arange(3.0).to(xla_device) * 2  # lazy, like a stitched graph's result
+    lowered = types.SimpleNamespace(writebacks=((0, 0), (1, 0), (2, 1)))
+    other = torch.ones(3).to(xla_device) + 1
+    installed = runtime._install_lazy([a, b, c], lowered, [result, other], exclusive=frozenset({1}))
+    assert [k for _, k in installed] == [0, 0, 1]
+    ids = compat.tensor_ids([a, b, c])
+    assert len(set(ids)) == 3 and ids[2] == compat.tensor_id(other)
+    assert a.cpu().tolist() == b.cpu().tolist() == [0.0, 2.0, 4.0] and c.cpu().tolist() == [2.0] * 3
+    assert a._version == b._version == c._version == 1

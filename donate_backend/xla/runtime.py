@@ -697,10 +697,12 @@ def donor_pairing_order(ids: Sequence[int]) -> tuple:
     return tuple(sorted(range(len(ids)), key=ids.__getitem__, reverse=True))
 
 
-def _install_lazy(args: list, lowered: LoweredGraph, results: list) -> list:
+def _install_lazy(args: list, lowered: LoweredGraph, results: list, exclusive: frozenset) -> list:
     """Write a stitched graph's lazy results back by handing each input its result's
     XLA tensor (``compat.install_values``), not by ``copy_``; returns the
-    (target, result) pairs installed.
+    (target, result index) pairs installed. A result that is not ``exclusive``
+    (another write-back or an output takes it too) is cloned first, so that no two
+    tensors share one XLA tensor.
 
     After a ``copy_`` the input's new value would descend from its old one, and
     torch_xla's sync donates every buffer tagged with the old value's tensor id,
@@ -718,7 +720,10 @@ def _install_lazy(args: list, lowered: LoweredGraph, results: list) -> list:
             _installed.forget(target)
             if not target.is_xla:
                 target.copy_(new_value.cpu())
-            elif compat.install_values([target], [new_value])[0]:
+                continue
+            if result_index not in exclusive:
+                new_value = new_value.clone()
+            if compat.install_values([target], [new_value])[0]:
                 installed.append((target, result_index))
             else:
                 target.copy_(new_value)
@@ -801,7 +806,7 @@ class StitchedExecutable:
             results = compat.user_computation(self._opname, values, computation)
             self._last_result = results[-1]
         on_host = self._host_values(args) if self._host_values is not None else ()
-        installed = _install_lazy(args, lowered, results)
+        installed = _install_lazy(args, lowered, results, self._exclusive)
         alone = [(t, results[k]) for t, k in installed if k in self._exclusive]
         if alone:
             _pending.add([t for t, _ in alone], [r for _, r in alone])
