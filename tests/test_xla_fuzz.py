@@ -89,8 +89,9 @@ def test_random_training_program_matches_eager(seed):
 
 
 # stitched steps (DONATE_XLA_STITCH=1); 50043 donated a buffer another tensor still
-# held before stitched steps donated only what they record
-STITCHED_SEEDS = [50_043, *range(10_040, 10_060)]
+# held before stitched steps donated only what they record; 60050 has a graph whose HLO
+# reads no input ("Check failed: !inputs.empty()" before such graphs ran unstitched)
+STITCHED_SEEDS = [50_043, 60_050, *range(10_040, 10_060)]
 
 
 @pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)

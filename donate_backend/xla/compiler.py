@@ -238,6 +238,9 @@ def compile_graph(gm, example_inputs, ctx):
         # mutates before each call; its backward increments nothing
         bumped = frozenset() if ctx.kind == "backward" else compat.aot_version_bumped_inputs()
         lowered = relower(True, real_inputs)
+        if stitch and not lowered.params:  # torch_xla's user computations need an operand:
+            stitch = False  # a graph that reads nothing (it makes constants) runs on its own
+            lowered = relower(True, real_inputs)
         seconds = time.perf_counter() - start
         transfers = metrics.transfer_snapshot().minus(before)
         report.add(
