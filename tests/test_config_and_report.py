@@ -1,4 +1,6 @@
 """Switch parsing, patching and the printed report (no device needed)."""
+import dataclasses
+
 import pytest
 
 from donate_backend import config, report
@@ -8,7 +10,22 @@ def test_defaults_are_on():
     s = config.settings_from_env({})
     assert (s.donation, s.free_saved, s.bucket_view, s.debug) == (True, True, True, False)
     assert s.native_compiler == "aten"
-    assert (s.stitch, s.activation_budget, s.order_recompute) == (False, 1.0, True)
+    assert (s.stitch, s.activation_budget, s.order_recompute) == (False, 1.0, None)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, False),  # full budget: nothing worth ordering is recomputed
+        ({"DONATE_XLA_ACTIVATION_BUDGET": "0.5"}, True),
+        ({"DONATE_XLA_ACTIVATION_BUDGET": "0.5", "DONATE_XLA_ORDER_RECOMPUTE": "0"}, False),
+        ({"DONATE_XLA_ORDER_RECOMPUTE": "1"}, True),
+    ],
+)
+def test_recomputation_is_ordered_under_a_budget_unless_told(env, expected):
+    assert config.settings_from_env(env).orders_recompute is expected
+    with config.patch(**{k: v for k, v in dataclasses.asdict(config.settings_from_env(env)).items()}):
+        assert config.current().orders_recompute is expected
 
 
 def test_memory_switches_parse_and_validate():

@@ -487,7 +487,7 @@ def traced_on_placeholders(
         handles = compat.data_handles([reals[i] if _is_xla(reals[i]) else holders[i] for i in tensor_inputs])
         shared = [i for i in donors if _is_xla(reals[i])]  # their flags live on real buffers
         saved_flags = [compat.get_buffer_donation(holders[i]) for i in shared]
-        gated = recompute.gates(gm.graph) if config.current().order_recompute else {}
+        gated = recompute.gates(gm.graph) if config.current().orders_recompute else {}
         tracer = _PlaceholderTracer(gm, graph_name, torch_xla.device(), gated)
         live = LiveTrace(holders, [], 0, reals, dict(zip(handles, tensor_inputs)), len(gated))
         try:
