@@ -31,7 +31,7 @@ import torch_xla
 
 from .. import config
 from ..errors import DonateXlaError, UnsupportedGraphError
-from . import compat, metrics, spmd
+from . import compat, mappings, metrics, spmd
 from .plan import HloParam, LoweringMismatchError, OutputSlot, describe, plan_parameters, plan_results
 from .trace import TracedGraph, check_inputs, input_specs, meta_device, output_nodes, traced_on_placeholders
 
@@ -98,6 +98,7 @@ def lower(
     exception chained; its traceback's frames are cleared first, so it keeps
     no placeholder alive.
     """
+    mappings.check_room(graph_name)  # a clear error, not a crash, when XLA:CPU's kernels used them up
     supported = compat.supports_donation()
     written_donors = tuple(donors) if supported else ()
     donors = written_donors + (tuple(requested_donors) if supported else ())
