@@ -99,6 +99,9 @@ def main() -> None:
             f"{ours['compile_s'] / ref['compile_s']:>10.2f}"
         )
         print(f"{'  compile ratio per repeat':28}{'':>14}{'':>14}  {' '.join(f'{r:.2f}' for r in compile_ratios)}")
+        for b in ("openxla", "donate_xla"):  # in run order: which side a bad ratio came from
+            seconds = " ".join(f"{run['compile_s']:.2f}" for run in runs[b])
+            print(f"{'  ' + b + ' s, run order':28}{'':>28}  {seconds}")
         print(
             f"{'step seconds':28}{ref['step_s']:>14.4f}{ours['step_s']:>14.4f}"
             f"{ours['step_s'] / ref['step_s']:>10.2f}"
