@@ -1,7 +1,8 @@
 """donate_xla vs openxla: bytes sent to the device while compiling, compile time, step time.
 
 Each (model, backend) pair runs `--repeats` times (default 3), interleaved, each in
-a fresh process; figures are medians over the repeats. "Compiling" is every call up
+a fresh process, after one discarded run of each (cold file caches), the order of
+the two backends swapped every other repeat; figures are medians over the repeats. "Compiling" is every call up
 to the steady state (the first three calls), less three steady steps:
     compile_s = time(first 3 calls) - 3 * median(steady step)
 Bytes (torch_xla's OutboundData) are printed raw: for the first three calls and
@@ -80,7 +81,10 @@ def main() -> None:
 
     rows = []
     for model_name in args.models.split(","):
-        runs = run_repeated(__file__, model_name, ("openxla", "donate_xla"), args.repeats, "--steps", str(args.steps))
+        runs = run_repeated(
+            __file__, model_name, ("openxla", "donate_xla"), args.repeats, "--steps", str(args.steps),
+            warm_up=True, alternate=True,
+        )
         med = {b: {k: summarize(runs[b], k)[0] for k in ("warm_bytes", "steady_bytes", "record_bytes", "compile_s", "step_s", "loss")} for b in runs}
         rows.append(med)
         ours, ref = med["donate_xla"], med["openxla"]

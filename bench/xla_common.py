@@ -181,12 +181,22 @@ def run_worker(script: str, *args: str, timeout: int = 1200, env: Optional[dict]
 
 
 def run_repeated(
-    script: str, model_name: str, backends, repeats: int, *extra: str, env: Optional[dict] = None
+    script: str, model_name: str, backends, repeats: int, *extra: str, env: Optional[dict] = None,
+    warm_up: bool = False, alternate: bool = False,
 ) -> dict:
-    """Each backend ``repeats`` times, interleaved (a, b, c, a, b, c, ...), fresh processes."""
+    """Each backend ``repeats`` times, interleaved (a, b, c, a, b, c, ...), fresh processes.
+
+    ``warm_up``: first one run of each backend, discarded (the first processes of a
+    benchmark start with cold file caches). ``alternate``: every other repeat runs
+    the backends in reverse order (a, b, b, a, ...), so neither always runs first.
+    """
     runs = {b: [] for b in backends}
-    for _ in range(repeats):
+    if warm_up:
         for backend in backends:
+            run_worker(script, "--worker", model_name, backend, *extra, env=env)
+    for repeat in range(repeats):
+        order = list(backends)[::-1] if alternate and repeat % 2 else backends
+        for backend in order:
             runs[backend].append(run_worker(script, "--worker", model_name, backend, *extra, env=env))
     return runs
 
