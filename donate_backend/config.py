@@ -41,7 +41,6 @@ class Settings:
                 "(set DONATE_XLA_ACTIVATION_BUDGET, e.g. 0.5 to save about half the activations)"
             )
 
-
     @property
     def orders_recompute(self) -> bool:
         """Whether XLA backward graphs keep their recomputation in order (xla/recompute.py).

@@ -5,8 +5,8 @@ XLA:CPU compiles each fused kernel of an executable into memory of its own
 compiled in its cache (``XLA_COMPILATION_CACHE_SIZE``, 2048 by default). A
 process that compiles many graphs (a notebook that resets dynamo, recompiles on
 changing shapes or Python scalars, a sweep in one process) so gains mappings
-with every compilation: about 14,000 per round of the GPT-2 training loop in
-``tests/test_xla_training_loop.py``. Linux refuses a mapping beyond
+with every compilation: 12,000 to 14,000 per round of the GPT-2 training loop
+in ``tests/test_xla_training_loop.py``. Linux refuses a mapping beyond
 ``vm.max_map_count`` (65,530 by default), and then XLA's compiler or any large
 allocation fails, and the process dies with a segmentation fault, not an error.
 
@@ -17,10 +17,10 @@ still report it. The margin is wide because torch_xla also compiles between
 two of donate_xla's lowerings (eager code, stitched graphs at their sync): that
 loop's stitched mode repeated in one process passed 53,900 mappings after three
 rounds and stood at 64,038 at the first lowering of the fourth (refused there
-by a first try at 90 %, 1,500 mappings short of the limit). Evicted executables give their mappings back (measured: with
-``XLA_COMPILATION_CACHE_SIZE=4`` a process compiling 60 distinct graphs stayed
-at +83 mappings; with the default it grew by 12 a graph), so a smaller cache is
-one way out. Where ``/proc`` is absent (not Linux) nothing is checked.
+by a first try at 90 %, 1,500 mappings short of the limit). Evicted executables
+give their mappings back (measured: with ``XLA_COMPILATION_CACHE_SIZE=4`` a
+process compiling 60 distinct graphs stayed at +83 mappings; with the default
+it grew by 12 a graph), so a smaller cache is one way out. Where ``/proc`` is absent (not Linux) nothing is checked.
 """
 from __future__ import annotations
 
