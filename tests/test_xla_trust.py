@@ -30,29 +30,30 @@ def _cpu(value):
     return value
 
 
-def assert_close_tree(got, expected, what=""):
+def assert_close_tree(got, expected, what="", tol=None):
     got, expected = _cpu(got), _cpu(expected)
     if isinstance(expected, torch.Tensor):
         assert isinstance(got, torch.Tensor), what
         assert got.shape == expected.shape, (what, got.shape, expected.shape)
-        torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(got, expected, **(tol or TOL), msg=lambda m: f"{what}: {m}")
     elif isinstance(expected, (list, tuple)):
         assert len(got) == len(expected), what
         for k, (g, e) in enumerate(zip(got, expected)):
-            assert_close_tree(g, e, f"{what}[{k}]")
+            assert_close_tree(g, e, f"{what}[{k}]", tol)
     else:
         assert got == expected, what
 
 
-def run_against_eager(make_program, steps=4):
+def run_against_eager(make_program, steps=4, compile_fn=None, tol=None):
     """``make_program(device, compile)`` -> (step(i) -> outputs, state() -> tensors)."""
-    xla_step, xla_state = make_program(torch_xla.device(), lambda f: torch.compile(f, backend="donate_xla"))
+    compile_fn = compile_fn or (lambda f: torch.compile(f, backend="donate_xla"))
+    xla_step, xla_state = make_program(torch_xla.device(), compile_fn)
     cpu_step, cpu_state = make_program(torch.device("cpu"), lambda f: f)
     for i in range(steps):
         got = xla_step(i)
         expected = cpu_step(i)
-        assert_close_tree(got, expected, f"step {i} outputs")
-        assert_close_tree(xla_state(), cpu_state(), f"step {i} state")
+        assert_close_tree(got, expected, f"step {i} outputs", tol)
+        assert_close_tree(xla_state(), cpu_state(), f"step {i} state", tol)
 
 
 def _mlp(seed=0, width=16, out=4):
@@ -676,3 +677,70 @@ def test_stitched_and_unstitched_graphs_in_one_program_keep_their_values(stitche
     got = run(torch_xla.device(), lambda f: torch.compile(f, backend="donate_xla"), lambda on: config.patch(stitch=on))
     expected = run(torch.device("cpu"), lambda f: f, lambda on: contextlib.nullcontext())
     assert_close_tree(got, expected, "losses, parameters, momentum")
+
+
+@STITCHED
+def test_mixed_precision_training_with_layer_and_batch_norm(stitched):
+    """``torch.autocast`` to bfloat16 around a model with BatchNorm and LayerNorm (which
+    torch_xla computes as a batch norm): the forward saves the statistics in float32,
+    as torch declares them, and the backward got a bf16 input with float32 statistics,
+    which XLA's HLO verifier refused ("Seen floating point types of different
+    precisions"; eager torch_xla and openxla compiled it, their statistics being bf16).
+    Now every traced value has torch's dtype and that backward runs in float32.
+    Trained against CPU autocast, to bf16's precision."""
+
+    def program(device, compile_):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
+            torch.nn.Linear(8 * 6 * 6, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Linear(16, 4),
+        ).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+        def f(x, y):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = model(x)
+            loss = F.cross_entropy(out.float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach(), out.dtype
+
+        cf = compile_(f)
+
+        def step(i):
+            g = torch.Generator().manual_seed(500 + i)
+            x, y = torch.randn(6, 3, 8, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+            return cf(x.to(device), y.to(device))
+
+        return step, lambda: list(model.parameters()) + list(model.buffers())[:2]
+
+    run_against_eager(program, compile_fn=_compiled_under(stitched), tol=dict(rtol=3e-2, atol=3e-3))
+
+
+def test_traced_values_take_the_dtype_torch_declares():
+    """The two helpers behind it: a traced result in another dtype than the node's
+    fake value is cast to it (tuples element by element, the rest untouched), and a
+    BatchNorm backward with mixed floating dtypes runs in float32."""
+    from donate_backend.xla.trace import batch_norm_backward_args, conform_dtypes
+
+    graph = torch.fx.Graph()
+    single, pair = graph.placeholder("a"), graph.placeholder("b")
+    single.meta["val"] = torch.empty(2, dtype=torch.float32)
+    pair.meta["val"] = (torch.empty(2, dtype=torch.bfloat16), torch.empty(3, dtype=torch.float32))
+    assert conform_dtypes(single, torch.ones(2, dtype=torch.bfloat16)).dtype == torch.float32
+    same = torch.ones(2)
+    assert conform_dtypes(single, same) is same
+    out = conform_dtypes(pair, (torch.ones(2, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)))
+    assert [t.dtype for t in out] == [torch.bfloat16, torch.float32]
+    untouched = (torch.ones(2, dtype=torch.bfloat16), torch.ones(3))
+    assert conform_dtypes(pair, untouched) is untouched
+
+    bnb = torch.ops.aten.native_batch_norm_backward.default
+    half, full = torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(3)
+    args = (half, half, None, None, None, full, full, True, 1e-5, [True, False, False])
+    assert [a.dtype for a in batch_norm_backward_args(bnb, args)[:2]] == [torch.float32] * 2
+    assert batch_norm_backward_args(bnb, args)[5] is full
+    same_dtype = (full, full, None, None, None, full, full, True, 1e-5, [True, True, True])
+    assert batch_norm_backward_args(bnb, same_dtype) is same_dtype
+    assert batch_norm_backward_args(torch.ops.aten.add.Tensor, args) is args

@@ -110,6 +110,51 @@ def _computation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def batch_norm_backward_args(target, args: tuple) -> tuple:
+    """``native_batch_norm_backward``'s tensor arguments in one floating dtype
+    when they mix two; anything else unchanged.
+
+    Under autocast a bf16/fp16 input comes with float32 saved statistics (torch
+    keeps them in float32), and XLA's BatchNormGrad takes one element type (the
+    HLO verifier refused the mix). Everything goes to float32, the dtype torch
+    computes such a backward in; the results are cast back to the dtypes torch
+    declares (``conform_dtypes``).
+    """
+    if target is not _aten.native_batch_norm_backward.default:
+        return args
+    floating = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
+    if len(floating) < 2:
+        return args
+    return tuple(
+        a.to(_computation_dtype(a.dtype)) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        for a in args
+    )
+
+
+def conform_dtypes(node: torch.fx.Node, value):
+    """``value`` (a node's traced result) with each tensor in the dtype torch
+    declares for it (``node.meta["val"]``), where torch_xla's lowering gives
+    another; anything else unchanged.
+
+    torch_xla returns BatchNorm's saved statistics in a bf16 input's dtype where
+    torch says float32; the graph's other ops, the next graph's inputs and the
+    user's outputs all assume torch's dtypes.
+    """
+    expected = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        if isinstance(expected, torch.Tensor) and value.dtype != expected.dtype:
+            return value.to(expected.dtype)
+        return value
+    if isinstance(value, (tuple, list)) and isinstance(expected, (tuple, list)) and len(expected) == len(value):
+        conformed = [
+            v.to(e.dtype) if isinstance(v, torch.Tensor) and isinstance(e, torch.Tensor) and v.dtype != e.dtype else v
+            for v, e in zip(value, expected)
+        ]
+        if any(c is not v for c, v in zip(conformed, value)):
+            return type(value)(conformed)
+    return value
+
+
 def eval_batch_norm_backward(target, args: tuple, kwargs: dict):
     """torch's decomposition of ``native_batch_norm_backward`` when ``train`` is
     False, else None.
@@ -279,6 +324,8 @@ class _PlaceholderTracer(torch.fx.Interpreter):
             if node in self.gates:
                 return _unwrapped(self._run_gated(node))
             value = _unwrapped(super().run_node(node))
+            if node.op == "call_function":
+                value = conform_dtypes(node, value)
             if node in self.gate_nodes:
                 self.gate_values[node] = value
             return value
@@ -313,6 +360,7 @@ class _PlaceholderTracer(torch.fx.Interpreter):
         decomposed = eval_batch_norm_backward(target, args, kwargs)
         if decomposed is not None:
             return decomposed
+        args = batch_norm_backward_args(target, args)
         return batch_norm_as_torch(target, args, super().call_function(target, args, kwargs))
 
     def get_attr(self, target, args, kwargs):
