@@ -375,6 +375,11 @@ def user_computation(name: str, inputs: list, computation) -> list:
     return list(_required("_xla_user_computation")(name, inputs, computation))
 
 
+def sync_live_tensors(device: torch.device, wait: bool) -> None:
+    """Make every live tensor's pending IR concrete, as one execution (a step marker's sync)."""
+    _required("_xla_sync_live_tensors")(str(device), [], wait)
+
+
 def sync_live_tensors_async(device: torch.device) -> None:
     """Schedule every live tensor's pending IR as one execution; do not wait."""
     _required("_xla_sync_live_tensors")(str(device), [], False)

@@ -43,13 +43,22 @@ def _fresh_seed_tensor(device: torch.device) -> torch.Tensor:
     return seed
 
 
-def _materialize_pending(tensors: list[torch.Tensor]) -> None:
+def _materialize_pending(tensors: list[torch.Tensor], device: torch.device) -> None:
+    """Give every argument that holds pending IR (eager code ran on it since its
+    last sync) a buffer, waiting for it.
+
+    All the device's pending IR runs, as at a step marker, not only the
+    arguments': syncing part of it lets torch_xla hand an argument's old buffer
+    to its new value (an in-place update) while other pending IR still reads
+    the old one, and that read then fails ("buffer ... is deleted"). An eager
+    SGD step with momentum and weight decay after a compiled forward and
+    backward did that: a momentum buffer's pending IR reads the parameter it
+    decays, the next forward syncs only the parameters.
+    """
     if not tensors:
         return
-    flags = compat.need_materialization(tensors)
-    pending = [t for t, need in zip(tensors, flags) if need]
-    if pending:
-        compat.sync(pending, wait=True)
+    if any(compat.need_materialization(tensors)):
+        compat.sync_live_tensors(device, wait=True)
 
 
 _IDENTITY_VIEWS = ("detach_ViewMeta", "alias_ViewMeta", "lift_fresh_ViewMeta")
@@ -616,7 +625,7 @@ def materialized_device_args(args: list, device: torch.device) -> list:
             tensors.append(a)
     if uploaded:  # give them buffers now: a later trace must not turn them into IR constants
         compat.sync(uploaded, wait=False)
-    _materialize_pending(tensors)
+    _materialize_pending(tensors, device)
     return device_args
 
 
