@@ -23,6 +23,15 @@ def _register() -> None:
 
 _register()
 
+
+def _adjust_dynamo() -> None:
+    from .dynamo_compat import keep_xla_step_counters_on_host
+
+    keep_xla_step_counters_on_host()
+
+
+_adjust_dynamo()
+
 __all__ = [
     "config",
     "reports",
