@@ -24,8 +24,10 @@ Python source, the way users write training code:
 - eager code between calls (half the scenarios, its own random stream): a
   backup ``copy_`` of a parameter, buffer or optimizer state tensor into a
   tensor made before training, a swap-in-and-restore of it (EMA evaluation),
-  two ``.data.copy_`` of uploads into it, an eager read or EMA update, and
-  ``torch_xla.sync()``; the backups are compared like the state.
+  two ``.data.copy_`` of uploads into it, an eager read or EMA update (half the
+  backups and EMA updates followed by an in-place decay of the tensor read, as an
+  eager optimizer's weight decay), and ``torch_xla.sync()``; the backups are
+  compared like the state.
 
 The functions are called in a random order for several steps, sharing the
 state. After every call the outputs and every piece of state (parameters,
@@ -280,8 +282,13 @@ class _Body:
 _BETWEEN_SOURCES = ["S.W0", "S.b0", "S.W1", "S.M0", "S.v0", "state_tensor(opts, 0)", "state_tensor(opts, 1)"]
 
 
-def _between_statements(rng: random.Random) -> str:
-    """Eager code run between two calls: what users do outside the compiled step."""
+def _between_statements(rng: random.Random, decay_rng: Optional[random.Random] = None) -> str:
+    """Eager code run between two calls: what users do outside the compiled step.
+
+    ``decay_rng`` (its own stream, so that older seeds keep their programs) follows
+    some backups and EMA updates with an in-place decay of the tensor they read, as
+    an eager optimizer's weight decay does: pending IR then reads the tensor's old
+    value while its new value is pending too."""
     lines = []
     for _ in range(rng.randint(1, 3)):
         source = rng.choice(_BETWEEN_SOURCES)
@@ -305,6 +312,9 @@ def _between_statements(rng: random.Random) -> str:
             lines.append("    S.v1.mul_(0.5).add_(t.reshape(-1)[: S.v1.numel()].reshape(S.v1.shape), alpha=0.5)")
         else:
             lines.append("    sync()")
+        if kind in ("backup", "ema") and decay_rng is not None and decay_rng.random() < 0.5:
+            lines.append("    with torch.no_grad():")
+            lines.append("        t.mul_(0.99)")
     return "\n".join(lines)
 
 
@@ -348,9 +358,13 @@ def generate(seed: int) -> Scenario:
     calls = [rng.randrange(len(functions)) for _ in range(rng.randint(3, 5))]
     eval_calls = frozenset(k for k in range(len(calls)) if norms and norm_rng.random() < 0.3)
     between_rng = random.Random(seed * 17 + 3)  # own stream: the rest stays that of the seed
+    decay_rng = random.Random(seed * 53 + 11)
     between = {}
     if between_rng.random() < 0.5:
-        between = {k: _between_statements(between_rng) for k in range(len(calls) - 1) if between_rng.random() < 0.6}
+        between = {
+            k: _between_statements(between_rng, decay_rng)
+            for k in range(len(calls) - 1) if between_rng.random() < 0.6
+        }
     return Scenario(seed, tied, optimizers, args, functions, calls, eval_calls, between)
 
 
