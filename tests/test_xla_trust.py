@@ -60,6 +60,27 @@ def run_against_eager(make_program, steps=4, compile_fn=None, tol=None, state_ev
             assert_close_tree(xla_state(), cpu_state(), f"step {i} state", tol)
 
 
+def mse_training_step(model, opt):
+    """``f(x, y)``: an MSE loss, its backward, the optimizer's step and zero_grad; the loss."""
+
+    def f(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return f
+
+
+def parameters_and_optimizer_state(model, opt) -> list:
+    """The model's parameters, then each one's optimizer state tensors (sorted by key)."""
+    tensors = list(model.parameters())
+    for p in model.parameters():
+        tensors += [v for _, v in sorted(opt.state[p].items())]
+    return tensors
+
+
 def _mlp(seed=0, width=16, out=4):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, out))
@@ -368,15 +389,7 @@ def test_eval_mode_batch_norm_with_trainable_weights():
             model[1].running_var.uniform_(0.5, 2.0)
         model = model.eval().to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-        def f(x, y):
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
-        cf = compile_(f)
+        cf = compile_(mse_training_step(model, opt))
 
         def step(i):
             g = torch.Generator().manual_seed(200 + i)
@@ -773,14 +786,7 @@ def test_parameter_groups_keep_their_step_counters_across_a_recompile(optimizer,
             {"params": model[2].parameters(), "lr": 5e-3},
         ])
         sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
-
-        def f(x, y):
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
+        f = mse_training_step(model, opt)
         if start == "one_eager_step":
             g = torch.Generator().manual_seed(599)
             f(torch.randn(6, 8, generator=g).to(device), torch.randn(6, 4, generator=g).to(device))
@@ -792,13 +798,7 @@ def test_parameter_groups_keep_their_step_counters_across_a_recompile(optimizer,
             sched.step()
             return loss
 
-        def state():
-            tensors = list(model.parameters())
-            for p in model.parameters():
-                tensors += [v for _, v in sorted(opt.state[p].items())]
-            return tensors
-
-        return step, state
+        return step, lambda: parameters_and_optimizer_state(model, opt)
 
     run_against_eager(program)
 
@@ -829,12 +829,6 @@ def test_compiled_model_with_an_eager_optimizer_and_no_sync(optimizer):
             opt.zero_grad()
             return loss.detach()
 
-        def state():
-            tensors = list(model.parameters())
-            for p in model.parameters():
-                tensors += [v for _, v in sorted(opt.state[p].items())]
-            return tensors
-
-        return step, state
+        return step, lambda: parameters_and_optimizer_state(model, opt)
 
     run_against_eager(program, state_every_step=False)
