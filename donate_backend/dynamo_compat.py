@@ -21,9 +21,6 @@ capturable groups are left to dynamo as before.
 from __future__ import annotations
 
 import functools
-import logging
-
-log = logging.getLogger("donate_xla")
 
 _MARK = "_donate_xla_keeps_xla_host_steps"
 

@@ -382,7 +382,7 @@ def sync_live_tensors(device: torch.device, wait: bool) -> None:
 
 def sync_live_tensors_async(device: torch.device) -> None:
     """Schedule every live tensor's pending IR as one execution; do not wait."""
-    _required("_xla_sync_live_tensors")(str(device), [], False)
+    sync_live_tensors(device, wait=False)
 
 
 def hlo_text(tensors: Sequence[torch.Tensor]) -> Optional[str]:
