@@ -832,3 +832,25 @@ def test_compiled_model_with_an_eager_optimizer_and_no_sync(optimizer):
         return step, lambda: parameters_and_optimizer_state(model, opt)
 
     run_against_eager(program, state_every_step=False)
+
+
+def test_weight_norm_training_runs_its_cpu_ops_between_xla_segments():
+    """``parametrizations.weight_norm``: torch_xla has no kernel for
+    ``_weight_norm_interface`` (nor its backward), so the graphs run in XLA
+    segments around those ops on the CPU. The op returns two tensors, and the
+    next XLA segment was handed them as one tuple input, which failed to lower
+    ("Trying to access XLA data ... while an async operation is in flight").
+    Its results are now unpacked in its own segment. Adam, against the CPU."""
+    import donate_backend
+
+    def program(device, compile_):
+        model = _mlp(seed=6)
+        torch.nn.utils.parametrizations.weight_norm(model[0])
+        model = model.to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        step = compile_(mse_training_step(model, opt))
+        return (lambda i: step(*_batch(i, device=device))), (lambda: parameters_and_optimizer_state(model, opt))
+
+    run_against_eager(program)
+    fallback = {op for r in donate_backend.reports() for op in r.fallback_ops}
+    assert "aten._weight_norm_interface.default" in fallback

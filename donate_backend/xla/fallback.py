@@ -12,6 +12,7 @@ graph's record lists the ops that fell back.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -42,7 +43,12 @@ def _copies_to_host(node: torch.fx.Node) -> bool:
 
 
 def partition_ids(gm: torch.fx.GraphModule, fallbacks: list) -> dict:
-    """Node -> segment number: each fallback op alone, the stretches between them together."""
+    """Node -> segment number: each fallback op alone (with the ``getitem`` nodes that
+    unpack its results), the stretches between them together.
+
+    A segment's inputs and outputs must be tensors: a fallback op that returns
+    several values (``_weight_norm_interface``) is unpacked on its side, not
+    handed to the next XLA segment as a tuple."""
     fallback_set = set(fallbacks)
     ids, current = {}, 0
     for node in gm.graph.nodes:
@@ -52,9 +58,15 @@ def partition_ids(gm: torch.fx.GraphModule, fallbacks: list) -> dict:
             current += 1
             ids[node] = current
             current += 1
+        elif _unpacks(node, fallback_set):
+            ids[node] = ids[node.args[0]]
         else:
             ids[node] = current
     return ids
+
+
+def _unpacks(node: torch.fx.Node, fallback_set: set) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem and node.args[0] in fallback_set
 
 
 @dataclasses.dataclass(frozen=True)
