@@ -23,6 +23,7 @@ FEATURES = {
     "returns a reduction": r"return \(.*\.sum\(\)",
     "BatchNorm": r"S\.bn\(",
     "layer or group norm": r"F\.(layer|group)_norm\(",
+    "an op torch_xla runs on the CPU (weight norm)": r"torch\._weight_norm\(",
     "eager backup copy between calls": r"#\s+K\[\d\] = backup_of\(",
     "eager swap and restore between calls": r"#\s+t\.copy_\(torch\.full_like",
     "eager .data copies between calls": r"#\s+t\.data\.copy_\(",

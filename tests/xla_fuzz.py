@@ -112,9 +112,17 @@ class Scenario:
 class _Body:
     """Builds one function's statements, tracking the values in scope."""
 
-    def __init__(self, rng: random.Random, args: list, n_opts: int, norm_rng: Optional[random.Random] = None):
+    def __init__(
+        self,
+        rng: random.Random,
+        args: list,
+        n_opts: int,
+        norm_rng: Optional[random.Random] = None,
+        fallback_rng: Optional[random.Random] = None,
+    ):
         self.rng = rng
         self.norm_rng = norm_rng  # own stream: the other choices stay those of the seed without norms
+        self.fallback_rng = fallback_rng  # own stream too: weight norm, an op torch_xla runs on the CPU
         self.lines: list[str] = []
         self.acts: list[str] = ["x"]  # (N, D) values in the current grad region
         self.uses: dict[str, set] = {"x": set()}  # parameters each value depends on
@@ -157,7 +165,13 @@ class _Body:
         if r <= 1:
             act = self.rng.choice(["torch.tanh", "torch.relu", "torch.sigmoid", "F.gelu"])
             w = self.rng.choice(["W0", "W1"])
-            self.emit(f"{out} = {act}({src} @ S.{w} + S.b0)")
+            weight = f"S.{w}"
+            if self.fallback_rng is not None and self.fallback_rng.random() < 0.3:
+                # torch_xla has no kernel for _weight_norm_interface (two results) nor its
+                # backward: the graph runs in XLA segments around them
+                weight = f"torch._weight_norm(S.{w}, S.ln_w[:, None], 0)"
+                used.add("ln_w")
+            self.emit(f"{out} = {act}({src} @ {weight} + S.b0)")
             used |= {w, "b0"}
         elif r == 2:
             lit = self.literal() if not self.vecs or self.rng.random() < 0.5 else self.rng.choice(self.vecs)
@@ -336,9 +350,11 @@ def generate(seed: int) -> Scenario:
     args = [(f"a{k}", rng.choice([(N, D), (D,)])) for k in range(rng.randint(0, 2))]
     norm_rng = random.Random(seed * 31 + 7)
     norms = norm_rng.random() < 0.5
+    fallback_rng = random.Random(seed * 61 + 13)
+    fallbacks = fallback_rng.random() < 0.3
     functions = []
     for f in range(rng.randint(1, 3)):
-        body = _Body(rng, args, len(optimizers), norm_rng if norms else None)
+        body = _Body(rng, args, len(optimizers), norm_rng if norms else None, fallback_rng if fallbacks else None)
         inference = rng.random() < 0.3  # the whole function under no_grad
         for _ in range(rng.randint(1, 2)):  # one or two phases
             for _ in range(rng.randint(1, 4)):
