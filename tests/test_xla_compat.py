@@ -267,3 +267,12 @@ def test_without_functionalization_apis_stitched_values_stay_right(xla_device, m
     monkeypatch.setattr(compat, "_torch_api", lambda o, n: None if n == name else real(o, n))
     counts = _stitched_sgd_steps(xla_device)
     assert counts and all(donating == 0 for donating, _ in counts)
+
+
+def test_the_xla_element_type_of_a_bool_tensor(xla_device, monkeypatch):
+    _, mask = torch.ops.aten.native_dropout(torch.randn(4, 4).to(xla_device), 0.5, True)
+    assert mask.dtype == torch.bool and compat.stores_as_pred(mask) is False  # f32 underneath
+    assert compat.stores_as_pred(mask != 0) is True
+    assert compat.stores_as_pred(torch.ones(2, dtype=torch.bool).to(xla_device)) is True
+    monkeypatch.delattr(torch_xla._XLAC, "_get_xla_tensor_shape_type")
+    assert compat.stores_as_pred(mask) is None  # then such a mask stays as it is

@@ -854,3 +854,25 @@ def test_weight_norm_training_runs_its_cpu_ops_between_xla_segments():
     run_against_eager(program)
     fallback = {op for r in donate_backend.reports() for op in r.fallback_ops}
     assert "aten._weight_norm_interface.default" in fallback
+
+
+def test_dropout_mask_saved_for_backward_is_a_bool_buffer():
+    """Dropout in training with a gradient saves its mask for the backward.
+    torch_xla's ``native_dropout`` mask says bool but is float32 underneath, so
+    the forward's executable returned a float32 buffer where a bool one was
+    planned and every call failed ("result 2 came back as float32[...], planned
+    bool[...]"). Traced values that say bool are now XLA ``pred`` values. The
+    RNG differs from the CPU's, so the check is what dropout means: the input's
+    gradient is the scale times the kept positions, and each call draws anew."""
+    drop = torch.nn.Dropout(0.5)
+    f = torch.compile(lambda x: drop(x * 3), backend="donate_xla")
+    kept = []
+    for i in range(3):
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(i)).to(torch_xla.device()).requires_grad_(True)
+        out = f(x)
+        out.sum().backward()
+        out, grad = out.detach().cpu(), x.grad.cpu()
+        torch.testing.assert_close(grad, 6.0 * (out != 0), rtol=0, atol=0)
+        assert 0.4 < (out != 0).float().mean().item() < 0.6
+        kept.append(out != 0)
+    assert not torch.equal(kept[0], kept[1]) and not torch.equal(kept[1], kept[2])

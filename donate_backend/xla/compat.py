@@ -95,6 +95,16 @@ def device_data_nodes(tensors: Sequence[torch.Tensor], uncloned: Sequence[torch.
 
 # -- which value a tensor holds (the exclusivity record of runtime.py) ---------------------
 
+def stores_as_pred(t: torch.Tensor) -> Optional[bool]:
+    """Whether the XLA value behind a bool tensor is XLA's ``pred`` type; None if
+    this torch_xla cannot say. torch_xla keeps a logical dtype beside the XLA
+    element type: ``native_dropout``'s mask says bool and is f32 underneath."""
+    binding = _optional("_get_xla_tensor_shape_type")
+    if binding is None:
+        return None
+    return binding(t) == "pred"
+
+
 def value_identity(t: torch.Tensor) -> str:
     """What ``t``'s XLATensor holds now, without changing it: its IR node (the text
     has a comma) if it has one, else its device data object (or the tensor itself

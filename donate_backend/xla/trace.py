@@ -137,21 +137,30 @@ def conform_dtypes(node: torch.fx.Node, value):
     another; anything else unchanged.
 
     torch_xla returns BatchNorm's saved statistics in a bf16 input's dtype where
-    torch says float32; the graph's other ops, the next graph's inputs and the
-    user's outputs all assume torch's dtypes.
+    torch says float32, and ``native_dropout``'s mask says bool but is float32
+    underneath (the executable returned a float32 buffer where a bool one was
+    planned); the graph's other ops, the next graph's inputs and the user's
+    outputs all assume torch's dtypes.
     """
     expected = node.meta.get("val")
     if isinstance(value, torch.Tensor):
-        if isinstance(expected, torch.Tensor) and value.dtype != expected.dtype:
-            return value.to(expected.dtype)
-        return value
+        return _conformed(value, expected)
     if isinstance(value, (tuple, list)) and isinstance(expected, (tuple, list)) and len(expected) == len(value):
-        conformed = [
-            v.to(e.dtype) if isinstance(v, torch.Tensor) and isinstance(e, torch.Tensor) and v.dtype != e.dtype else v
-            for v, e in zip(value, expected)
-        ]
+        conformed = [_conformed(v, e) for v, e in zip(value, expected)]
         if any(c is not v for c, v in zip(conformed, value)):
             return type(value)(conformed)
+    return value
+
+
+def _conformed(value, expected):
+    if not isinstance(value, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        return value
+    if value.dtype != expected.dtype:
+        return value.to(expected.dtype)
+    if value.dtype == torch.bool and compat.stores_as_pred(value) is False:
+        # says bool, is another XLA type underneath (``native_dropout``'s mask):
+        # ``.to(bool)`` would change nothing, a comparison gives a real pred
+        return value != 0
     return value
 
 
