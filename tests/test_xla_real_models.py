@@ -103,3 +103,51 @@ def test_real_model_trains_like_eager_on_xla(name, compile_how):
     torch.testing.assert_close(losses, ref_losses, **LOSS_TOL)
     for n, p in ref_params.items():
         torch.testing.assert_close(params[n], p, **PARAM_TOL, msg=lambda m: f"{name} parameter {n}: {m}")
+
+
+def _gpt2_with_its_dropout():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == 0.1  # GPT-2's defaults
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+@pytest.mark.skipif(not available("gpt2"), reason="transformers is not installed")
+def test_gpt2_with_its_default_dropout_trains_and_replays_its_masks():
+    """The models above switch dropout off to compare with eager; with GPT-2's
+    default dropout every compiled forward failed (the saved masks, bool for torch,
+    were float32 buffers underneath; tests/test_xla_trust.py). Now the whole step
+    compiles and trains, and the same device RNG state gives the same masks, so
+    two runs from one seed are equal value for value while dropout does change
+    the loss."""
+    import torch_xla.core.xla_model as xm
+
+    device = torch_xla.device()
+    batch = {k: v.to(device) for k, v in MODELS["gpt2"].batch(0).items()}
+
+    def run(seed):
+        model = _gpt2_with_its_dropout().to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step(batch):
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        compiled = torch.compile(step, backend="donate_xla")
+        xm.set_rng_state(seed, str(device))
+        losses = torch.stack([compiled(batch) for _ in range(4)]).cpu()
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    first, params = run(7)
+    again, params_again = run(7)
+    other, _ = run(8)
+    assert torch.isfinite(first).all() and first[-1] < first[0], first
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    for p, q in zip(params_again, params):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert not torch.equal(other, first)  # another seed, other masks
