@@ -181,3 +181,27 @@ def test_the_ordering_is_on_under_a_budget_and_where_asked(xla_device, budget, f
     assert gated and (max(gated) > 0) is expect_gated, gated
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_random_ops_of_a_joint_graph_are_marked_as_saved(monkeypatch):
+    """Under an activation budget the partitioner may recompute any op, a random
+    one too, which would draw other values in the backward
+    (tests/test_xla_trust.py::test_dropout_gradients_use_the_forwards_masks)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    import donate_backend.xla as xla_path
+    from donate_backend.errors import UnsupportedGraphError
+
+    def joint(x):
+        noisy = x + torch.randn_like(x) + torch.bernoulli(torch.full_like(x, 0.5))
+        return torch.ops.aten.native_dropout(noisy.tanh(), 0.3, True)
+
+    gm = make_fx(joint)(torch.randn(4, 4))
+    assert xla_path.keep_random_values_saved(gm) == 3
+    marked = sorted(str(n.target) for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE)
+    assert marked == ["aten.bernoulli.default", "aten.native_dropout.default", "aten.randn_like.default"]
+
+    monkeypatch.delattr(torch.utils.checkpoint, "CheckpointPolicy")
+    with pytest.raises(UnsupportedGraphError, match="cannot mark random ops"):
+        xla_path.keep_random_values_saved(gm)

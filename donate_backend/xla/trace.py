@@ -188,6 +188,28 @@ def eval_batch_norm_backward(target, args: tuple, kwargs: dict):
     return decomposition(*args, **kwargs)
 
 
+def dropout_as_torch(target, args: tuple, kwargs: dict):
+    """torch's decomposition of ``native_dropout`` (``rand_like(x) > p``, kept
+    values scaled by ``1 / (1 - p)``), else None.
+
+    torch_xla 2.9's lowering draws the kept positions with probability ``1 - p``
+    but divides them by ``p``: every dropout with ``p != 0.5`` in a graph from
+    aot_autograd gave silently wrong values (``p=0.1``: kept values times 10
+    instead of 1.11). Eager torch_xla does not reach that lowering (its
+    ``F.dropout`` is a composite of ``bernoulli_``), openxla does.
+    """
+    if target is not _aten.native_dropout.default:
+        return None
+    decomposition = compat.decomposition(target)
+    if decomposition is None:
+        raise UnsupportedGraphError(
+            "donate_xla: dropout needs torch's decomposition of native_dropout, which this "
+            "torch lacks (torch_xla's own lowering scales the kept values by 1/p instead of "
+            "1/(1-p)). Use torch 2.9, or move the dropout out of the compiled region."
+        )
+    return decomposition(*args, **kwargs)
+
+
 _HOST_READ_OPS = {
     torch.ops.aten._local_scalar_dense.default: ".item() / a Python number read",
 }
@@ -367,6 +389,8 @@ class _PlaceholderTracer(torch.fx.Interpreter):
             kwargs = {**kwargs, "device": self.device}
         args, kwargs = with_every_dim(target, tuple(args), kwargs)
         decomposed = eval_batch_norm_backward(target, args, kwargs)
+        if decomposed is None:
+            decomposed = dropout_as_torch(target, args, kwargs)
         if decomposed is not None:
             return decomposed
         args = batch_norm_backward_args(target, args)
