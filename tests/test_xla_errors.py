@@ -25,6 +25,41 @@ def test_op_without_xla_lowering_runs_on_the_cpu_between_xla_segments(xla_device
     assert "around ops run on the CPU: aten.special_zeta.default" in donate_backend.format_record(split)
 
 
+RRELU_TRAINING = """
+import torch, torch_xla, torch.nn.functional as F
+import donate_backend
+device = torch_xla.device()
+lin = torch.nn.Linear(16, 16).to(device)
+f = torch.compile(lambda x: F.rrelu(lin(x), 0.1, 0.3, True), backend="donate_xla")
+for i in range(3):
+    x = torch.randn(64, 16).to(device).requires_grad_(True)
+    h = lin(x).detach().cpu()
+    y = f(x)
+    y.sum().backward()
+    y = y.detach().cpu()
+    slope = torch.where(h < 0, y / h, torch.ones_like(h))
+    assert bool((((slope >= 0.1 - 1e-6) & (slope <= 0.3 + 1e-6)) | (h >= 0)).all())
+    torch.testing.assert_close(x.grad.cpu(), slope @ lin.weight.detach().cpu(), rtol=1e-4, atol=1e-5)
+print(sorted({op for r in donate_backend.reports() for op in r.fallback_ops}))
+"""
+
+
+def test_rrelu_in_training_runs_on_the_cpu_instead_of_crashing():
+    """torch_xla 2.9 has a kernel for ``rrelu_with_noise``, but tracing it on a
+    placeholder killed the process with a segmentation fault; it now runs on the
+    CPU between XLA segments. Each element's slope is in [lower, upper] and the
+    input's gradient goes through the slopes the forward drew. In a fresh
+    process, so that a crash fails this test only."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    out = subprocess.run([sys.executable, "-c", RRELU_TRAINING], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "aten.rrelu_with_noise_functional.default" in out.stdout
+
+
 def test_lowering_check_knows_composites():
     assert has_xla_lowering(torch.ops.aten.addmm.default)
     assert has_xla_lowering(torch.ops.aten.linear.default)  # decomposes

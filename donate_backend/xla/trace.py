@@ -37,6 +37,13 @@ _EQUIVALENT_OPS = {
     torch.ops.aten.lift_fresh_copy.default: torch.ops.aten.clone.default,
 }
 
+# Ops torch_xla 2.9 has a kernel for that crash the process when traced on a
+# placeholder (segmentation fault): they run on the CPU, like ops with no kernel.
+_CRASH_ON_PLACEHOLDERS = frozenset({
+    "aten::rrelu_with_noise",  # F.rrelu in training
+    "aten::rrelu_with_noise_functional",
+})
+
 # Reductions whose empty dim list means "every dimension" (``x.amax()`` is
 # ``amax(x, [])``). torch_xla 2.9 reduces over no dimension instead and returns x
 # unchanged, a silently wrong value, in eager mode too. op -> index of the dim argument.
@@ -229,6 +236,8 @@ def has_xla_lowering(op: torch._ops.OpOverload) -> bool:
     runs on placeholders like any other code.
     """
     name = op.name()
+    if name in _CRASH_ON_PLACEHOLDERS:
+        return False
     return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in _LOWERABLE_KEYS)
 
 
