@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from .trace import has_xla_lowering, unlowerable_equivalent
+from .trace import lowerable_node
 
 
 def fallback_nodes(gm: torch.fx.GraphModule) -> list:
@@ -29,8 +29,7 @@ def fallback_nodes(gm: torch.fx.GraphModule) -> list:
 
 
 def _unlowerable(node: torch.fx.Node) -> bool:
-    target = unlowerable_equivalent(node.target)
-    return isinstance(target, torch._ops.OpOverload) and not has_xla_lowering(target)
+    return not lowerable_node(node)
 
 
 def _device(node) -> Optional[str]:

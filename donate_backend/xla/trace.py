@@ -37,17 +37,84 @@ _EQUIVALENT_OPS = {
     torch.ops.aten.lift_fresh_copy.default: torch.ops.aten.clone.default,
 }
 
+_aten = torch.ops.aten
+
 # Ops torch_xla 2.9 has a kernel for that crash the process when traced on a
-# placeholder (segmentation fault): they run on the CPU, like ops with no kernel.
+# placeholder (segmentation fault, or an abort in TransferFromDevice: the kernel
+# reads its input's data, or hands it to torch_xla's CPU fallback). They run on
+# the CPU, like ops with no kernel. Found by tracing torch's OpInfo samples and
+# these ops on placeholders, each in a fresh process.
 _CRASH_ON_PLACEHOLDERS = frozenset({
     "aten::rrelu_with_noise",  # F.rrelu in training
     "aten::rrelu_with_noise_functional",
+    "aten::cummin",
+    "aten::median.dim",
+    "aten::nanmedian.dim",
+    "aten::frexp.Tensor",
+    "aten::linspace.Tensor_Tensor",
+    "aten::linspace.Tensor_Scalar",
+    "aten::linspace.Scalar_Tensor",
 })
+
+
+def _indivisible(input_shape, output_size, dims: int) -> bool:
+    """torch_xla lowers adaptive pooling only when each spatial size divides by its output size."""
+    pairs = list(zip(list(input_shape)[-dims:], list(output_size)[-dims:]))
+    return any(not isinstance(i, int) or not isinstance(o, int) or o == 0 or i % o for i, o in pairs)
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default=None):
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+# Ops whose torch_xla 2.9 kernel hands these arguments to its CPU fallback,
+# which crashes on a placeholder (aten_xla_type.cpp): op -> (args, kwargs) ->
+# whether it would. Their arguments here are fake tensors and Python values.
+_FALLS_BACK_WITH = {
+    _aten._adaptive_avg_pool2d.default: lambda a, k: _indivisible(a[0].shape, a[1], 2),
+    _aten._adaptive_avg_pool3d.default: lambda a, k: _indivisible(a[0].shape, a[1], 3),
+    _aten.adaptive_max_pool2d.default: lambda a, k: _indivisible(a[0].shape, a[1], 2),
+    _aten._adaptive_avg_pool2d_backward.default: lambda a, k: _indivisible(a[1].shape, a[0].shape, 2),
+    _aten._adaptive_avg_pool3d_backward.default: lambda a, k: _indivisible(a[1].shape, a[0].shape, 3),
+    _aten.adaptive_max_pool2d_backward.default: lambda a, k: _indivisible(a[1].shape, a[0].shape, 2),
+    _aten.addmm.default: lambda a, k: k.get("beta", 1) != 1 or k.get("alpha", 1) != 1,
+    _aten.avg_pool2d_backward.default: lambda a, k: bool(a[5] and a[6]) or a[7] is not None,
+    _aten.avg_pool3d_backward.default: lambda a, k: bool(a[5] and a[6]) or a[7] is not None,
+    _aten.max_pool2d_with_indices.default: lambda a, k: any(d != 1 for d in _listed(_arg(a, k, 4, "dilation", 1))),
+    _aten.max_pool3d_with_indices.default: lambda a, k: any(d != 1 for d in _listed(_arg(a, k, 4, "dilation", 1))),
+    _aten.scatter.reduce: lambda a, k: _arg(a, k, 4, "reduce") != "add",
+    _aten.scatter.value_reduce: lambda a, k: _arg(a, k, 4, "reduce") != "add",
+    _aten.scatter_reduce.two: lambda a, k: not (
+        _arg(a, k, 4, "reduce") in ("sum", "prod", "amin", "amax") and _arg(a, k, 5, "include_self", True)
+    ),
+    _aten.linalg_inv_ex.default: lambda a, k: bool(_arg(a, k, 1, "check_errors", False)),
+}
+
+
+def _listed(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def lowerable_node(node: torch.fx.Node) -> bool:
+    """Whether torch_xla can trace ``node`` on placeholders: an op with an XLA (or
+    composite) kernel that, for these arguments, does not hand them to its CPU fallback."""
+    target = _EQUIVALENT_OPS.get(node.target, node.target)
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    if not has_xla_lowering(target):
+        return False
+    falls_back = _FALLS_BACK_WITH.get(target)
+    if falls_back is None:
+        return True
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    try:
+        return not falls_back(tuple(args), dict(kwargs))
+    except Exception:  # noqa: BLE001 - an unexpected signature: the CPU is the safe side
+        return False
 
 # Reductions whose empty dim list means "every dimension" (``x.amax()`` is
 # ``amax(x, [])``). torch_xla 2.9 reduces over no dimension instead and returns x
 # unchanged, a silently wrong value, in eager mode too. op -> index of the dim argument.
-_aten = torch.ops.aten
 _EMPTY_DIMS_MEAN_ALL = {
     _aten.amax.default: 1,
     _aten.amin.default: 1,
@@ -288,11 +355,10 @@ def check_graph(gm: torch.fx.GraphModule, graph_name: str) -> None:
 
 
 def _reject_unlowerable(node: torch.fx.Node, graph_name: str) -> None:
-    target = _EQUIVALENT_OPS.get(node.target, node.target)
-    if isinstance(target, torch._ops.OpOverload) and not has_xla_lowering(target):
+    if not lowerable_node(node):
         raise UnsupportedGraphError(
             f"{graph_name}: op {node.target} (node {node.name!r}) has no XLA lowering "
-            "in torch_xla, so it cannot be compiled for the XLA device. Move it outside "
+            "in torch_xla (for these arguments), so it cannot be compiled for the XLA device. Move it outside "
             "the compiled region (wrap it in torch._dynamo.disable) or replace it with "
             "supported ops."
         )
