@@ -83,6 +83,12 @@ cases = {
     "scatter_reduce mean": lambda x: torch.zeros(6, 5, device=x.device).scatter_reduce(
         0, idx.to(x.device), x.flatten()[:30].view(6, 5), "mean", include_self=False),
     "inv_ex checking errors": lambda x: torch.linalg.inv_ex(x[0, 0, :5, :5] + 5 * torch.eye(5, device=x.device), check_errors=True).inverse,
+    "assignment through a bool mask": lambda x: torch.ops.aten.index_put(x * 1, [x[:, 0, 0, 0].detach() > x[:, 0, 0, 0].detach().mean()], torch.tensor(0.0, device=x.device)),
+    "norm with p=0": lambda x: torch.norm(x, 0, dim=1) * x.sum(),
+    "logcumsumexp": lambda x: torch.logcumsumexp(x, 2),
+    "huber loss": lambda x: F.huber_loss(x, torch.zeros_like(x), delta=0.5),
+    "embedding bag": lambda x: F.embedding_bag(
+        torch.tensor([0, 2, 1, 3], device=x.device), x.reshape(-1, 9)[:4], torch.tensor([0, 2], device=x.device), mode="mean"),
 }
 
 def run(fn, on):
@@ -118,7 +124,7 @@ def test_kernels_that_would_hand_placeholders_to_the_cpu_run_on_the_cpu():
     out = subprocess.run([sys.executable, "-c", CPU_FALLBACK_CASES], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     ran = dict(line.split(": ", 1) for line in out.stdout.strip().splitlines())
-    assert len(ran) == 13, out.stdout
+    assert len(ran) == 18, out.stdout
     assert ran["adaptive avg pool, divisible"] == "[]"
     assert "aten._adaptive_avg_pool2d_backward.default" in ran["adaptive avg pool, indivisible"]
     assert all(ops != "[]" for name, ops in ran.items() if name != "adaptive avg pool, divisible"), ran

@@ -54,6 +54,13 @@ _CRASH_ON_PLACEHOLDERS = frozenset({
     "aten::linspace.Tensor_Tensor",
     "aten::linspace.Tensor_Scalar",
     "aten::linspace.Scalar_Tensor",
+    "aten::logcumsumexp",
+    "aten::mvlgamma",
+    "aten::huber_loss",
+    "aten::huber_loss_backward",
+    "aten::_embedding_bag",
+    "aten::_embedding_bag_forward_only",
+    "aten::_embedding_bag_backward",
 })
 
 
@@ -88,7 +95,15 @@ _FALLS_BACK_WITH = {
         _arg(a, k, 4, "reduce") in ("sum", "prod", "amin", "amax") and _arg(a, k, 5, "include_self", True)
     ),
     _aten.linalg_inv_ex.default: lambda a, k: bool(_arg(a, k, 1, "check_errors", False)),
+    _aten.index_put.default: lambda a, k: any(_is_mask(i) for i in a[1]),  # x[mask] = v
+    _aten.norm.ScalarOpt_dim: lambda a, k: _arg(a, k, 1, "p") == 0,
+    _aten.norm.ScalarOpt_dtype: lambda a, k: _arg(a, k, 1, "p") == 0,
+    _aten.norm.ScalarOpt_dim_dtype: lambda a, k: _arg(a, k, 1, "p") == 0,
 }
+
+
+def _is_mask(index) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
 
 
 def _listed(value) -> list:
