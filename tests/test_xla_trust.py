@@ -893,6 +893,18 @@ def test_dropout_scales_kept_values_by_one_over_one_minus_p(p):
     assert abs(kept.numel() / out.numel() - (1 - p)) < 0.02
 
 
+def test_dropout_without_torchs_decomposition_is_refused(monkeypatch):
+    """Without torch's decomposition of ``native_dropout`` (a private table)
+    torch_xla's lowering, which scales kept values by 1/p, is not used: the graph
+    is refused with a message that says what to do."""
+    from donate_backend.xla import compat
+
+    monkeypatch.setattr(compat, "decomposition", lambda op: None)
+    f = torch.compile(lambda x: F.dropout(x, 0.1, True), backend="donate_xla")
+    with pytest.raises(Exception, match="dropout needs torch's decomposition of native_dropout"):
+        f(torch.ones(64).to(torch_xla.device()))
+
+
 @pytest.mark.parametrize("budget,stitch", [(1.0, False), (0.5, False), (0.1, False), (1.0, True)])
 def test_dropout_gradients_use_the_forwards_masks(budget, stitch):
     """Two dropouts (p 0.5 and 0.3) in a small network; each compiled call

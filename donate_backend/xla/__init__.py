@@ -49,9 +49,7 @@ def _partition(min_cut, *args, **kwargs):
         return min_cut(*args, **kwargs)
     import torch._functorch.config as functorch_config
 
-    if not keep_random_values_saved(args[0] if args else kwargs["joint_module"]):
-        with functorch_config.patch(activation_memory_budget=budget):
-            return min_cut(*args, **kwargs)
+    keep_random_values_saved(args[0] if args else kwargs["joint_module"])
     with functorch_config.patch(activation_memory_budget=budget):
         fw_module, bw_module = min_cut(*args, **kwargs)
     if not _saves_a_tuple(fw_module):

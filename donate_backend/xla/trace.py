@@ -304,11 +304,6 @@ _HOST_READ_OPS = {
 }
 
 
-def unlowerable_equivalent(target):
-    """``target``, or the lowerable op that means the same (``lift_fresh_copy`` -> ``clone``)."""
-    return _EQUIVALENT_OPS.get(target, target)
-
-
 def has_xla_lowering(op: torch._ops.OpOverload) -> bool:
     """False for ops (of any namespace) that torch_xla would run through its CPU fallback.
 
