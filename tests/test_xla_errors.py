@@ -89,6 +89,11 @@ cases = {
     "huber loss": lambda x: F.huber_loss(x, torch.zeros_like(x), delta=0.5),
     "embedding bag": lambda x: F.embedding_bag(
         torch.tensor([0, 2, 1, 3], device=x.device), x.reshape(-1, 9)[:4], torch.tensor([0, 2], device=x.device), mode="mean"),
+    "ihfft2 (conj_physical)": lambda x: torch.fft.ihfft2(x).abs(),
+    "complex from two real tensors": lambda x: torch.complex(x, 2 * x).abs(),
+    "polar": lambda x: torch.polar(x.abs() + 1, x).real,
+    "roll of an empty tensor": lambda x: torch.roll(x[:0], 1, 0),
+    "cholesky_solve of empty matrices": lambda x: torch.cholesky_solve(x[0, :, :0, :0], x[0, :, :0, :0]),
 }
 
 def run(fn, on):
@@ -124,7 +129,7 @@ def test_kernels_that_would_hand_placeholders_to_the_cpu_run_on_the_cpu():
     out = subprocess.run([sys.executable, "-c", CPU_FALLBACK_CASES], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     ran = dict(line.split(": ", 1) for line in out.stdout.strip().splitlines())
-    assert len(ran) == 18, out.stdout
+    assert len(ran) == 23, out.stdout
     assert ran["adaptive avg pool, divisible"] == "[]"
     assert "aten._adaptive_avg_pool2d_backward.default" in ran["adaptive avg pool, indivisible"]
     assert all(ops != "[]" for name, ops in ran.items() if name != "adaptive avg pool, divisible"), ran

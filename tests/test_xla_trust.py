@@ -893,6 +893,52 @@ def test_dropout_scales_kept_values_by_one_over_one_minus_p(p):
     assert abs(kept.numel() / out.numel() - (1 - p)) < 0.02
 
 
+class _SpectralConv1d(torch.nn.Module):
+    """A Fourier neural operator's layer: rfft, a complex product on the lowest
+    modes, irfft. Complex weights as a complex parameter, or built from two real
+    ones with ``torch.complex``."""
+
+    def __init__(self, channels, modes, complex_parameter):
+        super().__init__()
+        self.modes = modes
+        shape = (channels, channels, modes)
+        if complex_parameter:
+            self.w = torch.nn.Parameter(0.1 * torch.randn(shape, dtype=torch.cfloat))
+        else:
+            self.w_re, self.w_im = (torch.nn.Parameter(0.1 * torch.randn(shape)) for _ in range(2))
+
+    def forward(self, x):
+        w = self.w if hasattr(self, "w") else torch.complex(self.w_re, self.w_im)
+        spectrum = torch.fft.rfft(x)
+        out = torch.zeros(*x.shape[:2], x.shape[-1] // 2 + 1, dtype=torch.cfloat, device=x.device)
+        out[..., : self.modes] = torch.einsum("bix,iox->box", spectrum[..., : self.modes], w)
+        return torch.fft.irfft(out, n=x.shape[-1])
+
+
+@pytest.mark.parametrize("complex_parameter", [False, True])
+def test_fourier_neural_operator_trains_like_eager(complex_parameter):
+    """``torch.complex`` (and ``polar``, ``conj_physical``) killed the process when
+    traced on a placeholder (segmentation fault); they now run on the CPU. Four
+    Adam steps of a two-layer spectral network, losses and every parameter and
+    moment (complex ones too) equal to the CPU's."""
+
+    def program(device, compile_fn):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv1d(2, 8, 1), _SpectralConv1d(8, 6, complex_parameter), torch.nn.GELU(),
+            _SpectralConv1d(8, 6, complex_parameter), torch.nn.Conv1d(8, 1, 1),
+        ).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        step = compile_fn(mse_training_step(model, opt))
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(4, 2, 32, generator=g), torch.randn(4, 1, 32, generator=g)) for _ in range(4)]
+        return (lambda i: step(*(t.to(device) for t in batches[i]))), (
+            lambda: parameters_and_optimizer_state(model, opt)
+        )
+
+    run_against_eager(program, steps=4)
+
+
 def test_dropout_without_torchs_decomposition_is_refused(monkeypatch):
     """Without torch's decomposition of ``native_dropout`` (a private table)
     torch_xla's lowering, which scales kept values by 1/p, is not used: the graph

@@ -61,6 +61,11 @@ _CRASH_ON_PLACEHOLDERS = frozenset({
     "aten::_embedding_bag",
     "aten::_embedding_bag_forward_only",
     "aten::_embedding_bag_backward",
+    "aten::_conj_physical",  # torch.fft.ihfft*, x.conj_physical() of a complex tensor
+    "aten::conj_physical",
+    "aten::complex",
+    "aten::polar",
+    "aten::_batch_norm_with_update_functional",  # a direct call (nn.BatchNorm takes another op)
 })
 
 
@@ -99,6 +104,8 @@ _FALLS_BACK_WITH = {
     _aten.norm.ScalarOpt_dim: lambda a, k: _arg(a, k, 1, "p") == 0,
     _aten.norm.ScalarOpt_dtype: lambda a, k: _arg(a, k, 1, "p") == 0,
     _aten.norm.ScalarOpt_dim_dtype: lambda a, k: _arg(a, k, 1, "p") == 0,
+    _aten.roll.default: lambda a, k: a[0].numel() == 0,  # SIGFPE on real empty tensors too
+    _aten.cholesky_solve.default: lambda a, k: a[0].numel() == 0 or a[1].numel() == 0,
 }
 
 
