@@ -98,6 +98,7 @@ def donate_xla(gm: torch.fx.GraphModule, example_inputs, **_options):
     graph_id = next(_graph_ids)
     path = _path_module(graph_device_type(example_inputs), graph_id, example_inputs)
     path.check_dynamo_graph(gm, example_inputs, graph_id)
+    path.prepare_dynamo_graph(gm)
     roles = dynamo_input_roles(gm, example_inputs)
     captured = path.capture(gm, example_inputs)  # here: inside dynamo, before aot_autograd
     make = functools.partial(_kind_compiler, path.compile_graph, graph_id, roles, captured=captured)

@@ -1,5 +1,7 @@
 """Real models, CI-sized: HF transformers from tiny configs and torchvision, random weights.
 
+GPT-2, BERT, Llama, T5; resnet18, ViT, ConvNeXt and Swin.
+
 Shared by tests/test_native_real_models.py, tests/test_ddp_real_models.py and
 bench/backward_memory.py. Everything is built offline from a config (no hub
 download: ``HF_HUB_OFFLINE=1``), with dropout off so that eager and compiled
@@ -111,6 +113,23 @@ def vit():
     )
 
 
+def convnext():
+    # Its blocks permute to channels-last and back, so the global pool gets a
+    # channels-last-strided input (xla/rewrite.py).
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    return ConvNeXt([CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)], stochastic_depth_prob=0.0, num_classes=10)
+
+
+def swin():
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(
+        patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=[4, 4],
+        stochastic_depth_prob=0.0, num_classes=10,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class RealModel:
     name: str
@@ -131,6 +150,8 @@ MODELS: Dict[str, RealModel] = {
     "t5": RealModel("t5", t5, _lm_batch, _hf_loss, "transformers"),
     "resnet18": RealModel("resnet18", resnet18, _images, _image_loss, "torchvision"),
     "vit": RealModel("vit", vit, _images, _image_loss, "torchvision"),
+    "convnext": RealModel("convnext", convnext, _images, _image_loss, "torchvision"),
+    "swin": RealModel("swin", swin, _images, _image_loss, "torchvision"),
 }
 
 

@@ -893,6 +893,54 @@ def test_dropout_scales_kept_values_by_one_over_one_minus_p(p):
     assert abs(kept.numel() / out.numel() - (1 - p)) < 0.02
 
 
+@pytest.mark.parametrize("dims", [2, 3])
+def test_global_average_pool_of_a_channels_last_input_trains_like_eager(dims):
+    """``adaptive_avg_pool2d(x, 1)`` of a channels-last-strided input (ConvNeXt and Swin
+    pool a permuted tensor) failed to compile, openxla too: aot_autograd re-ran ATen's
+    ``as_strided_`` restride on the fake XLA tensor ("Expected XLA tensor").
+    ``xla/rewrite.py`` replaces it by the mean ATen computes; other output sizes and
+    keyword arguments go through as written."""
+    pool = F.adaptive_avg_pool2d if dims == 2 else F.adaptive_avg_pool3d
+    to_last = (0, 2, 3, 1) if dims == 2 else (0, 2, 3, 4, 1)
+    back = (0, 3, 1, 2) if dims == 2 else (0, 4, 1, 2, 3)
+
+    def program(device, compile_fn):
+        torch.manual_seed(0)
+        w = torch.randn(5, 3).to(device).requires_grad_(True)
+
+        def f(x):
+            h = (x.permute(*to_last) @ w).permute(*back)  # channels-last strides
+            return pool(h, 1).sum() + pool(h, output_size=(1,) * dims).mean() + pool(h, 2).sum()
+
+        step = compile_fn(f)
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(2, 5, *(4,) * dims, generator=g) for _ in range(2)]
+
+        def run(i):
+            loss = step(xs[i].to(device))
+            loss.backward()
+            return loss.detach()
+
+        return run, (lambda: [w, w.grad])
+
+    run_against_eager(program, steps=2)
+
+
+def test_rewrite_replaces_only_global_average_pools():
+    from donate_backend.xla.rewrite import global_avg_pool2d, rewrite_for_xla
+
+    gm = torch.fx.symbolic_trace(
+        lambda x: F.adaptive_avg_pool2d(x, 1) + F.adaptive_avg_pool2d(x, output_size=(2, 2)).sum() + F.relu(x)
+    )
+    assert rewrite_for_xla(gm) == 2
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(global_avg_pool2d) == 2 and F.relu in targets
+    x = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    torch.testing.assert_close(
+        gm(x), F.adaptive_avg_pool2d(x, 1) + F.adaptive_avg_pool2d(x, (2, 2)).sum() + F.relu(x)
+    )
+
+
 class _SpectralConv1d(torch.nn.Module):
     """A Fourier neural operator's layer: rfft, a complex product on the lowest
     modes, irfft. Complex weights as a complex parameter, or built from two real

@@ -13,6 +13,7 @@ from ..analysis.aliasing import overlapping_inputs_written
 from ..analysis.mutation import donation_requests
 from ..errors import UnsupportedGraphError
 from .compiler import compile_graph
+from .rewrite import rewrite_for_xla
 from .sharding import MeshDescription, describe_mesh, mark_sharding
 
 log = logging.getLogger("donate_xla")
@@ -114,6 +115,13 @@ def check_dynamo_graph(gm, example_inputs, graph_id: int) -> None:
         )
 
 
+def prepare_dynamo_graph(gm) -> None:
+    """Rewrite, in place, the calls aot_autograd cannot trace for XLA tensors (``xla/rewrite.py``)."""
+    count = rewrite_for_xla(gm)
+    if count:
+        log.debug("donate_xla: %d call(s) rewritten before aot_autograd (xla/rewrite.py)", count)
+
+
 @dataclasses.dataclass(frozen=True)
 class XlaCapture:
     """What the XLA compilers learn from dynamo's graph."""
@@ -129,4 +137,5 @@ def capture(gm, example_inputs) -> Optional[XlaCapture]:
 
 __all__ = [
     "MeshDescription", "aot_options", "capture", "check_dynamo_graph", "compile_graph", "describe_mesh", "mark_sharding",
+    "prepare_dynamo_graph",
 ]
