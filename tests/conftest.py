@@ -43,3 +43,13 @@ def xla_device():
     import torch_xla
 
     return torch_xla.device()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The process's memory mappings at the end (docs/xla.md, "memory mappings"): XLA:CPU
+    maps memory for every kernel torch_xla keeps, and donate_xla refuses to compile
+    from 80 % of the limit, so a suite that grows past it fails in whichever test is next."""
+    if HAS_TORCH_XLA:
+        from donate_backend.xla.mappings import mapping_count, mapping_limit
+
+        terminalreporter.write_line(f"memory mappings at the end: {mapping_count()} of {mapping_limit()}")
