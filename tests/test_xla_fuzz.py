@@ -141,6 +141,34 @@ def test_agreeing_with_eager_torch_xla_excuses_nothing_with_batch_norm(monkeypat
     assert outcome.status == ("failed" if with_batch_norm else "numerics")
 
 
+@pytest.mark.parametrize("eager_error", ["same", "other", "none"])
+def test_an_error_is_upstream_only_if_eager_torch_xla_raises_the_same(monkeypatch, eager_error):
+    """donate_xla raising is a failure unless eager torch_xla raises the same error
+    (tensor ids aside): then torch_xla is at fault (mixed seed 83003)."""
+    import torch
+
+    scenario = xla_fuzz.generate(10_000)
+    right = xla_fuzz.Run([], [([torch.zeros(2)], {})])
+    message = "Check failed: handle->HasValue(): tensor with ID {} while an async operation is in flight"
+    ours = xla_fuzz.Run([], [], RuntimeError(message.format(104)))
+    eager = {
+        "same": xla_fuzz.Run([], [], RuntimeError(message.format(37))),
+        "other": xla_fuzz.Run([], [], RuntimeError("Check failed: something else")),
+        "none": xla_fuzz.Run([], [([torch.ones(2)], {})]),
+    }[eager_error]
+
+    def fake_run(scenario, device, compiled, backend="donate_xla"):
+        if device.type == "cpu":
+            return right if torch.get_default_dtype() == torch.float32 or not compiled else ours
+        return ours if compiled else eager
+
+    monkeypatch.setattr(xla_fuzz, "generate", lambda seed: scenario)
+    monkeypatch.setattr(xla_fuzz, "run", fake_run)
+    monkeypatch.setattr(xla_fuzz, "torch_xla", type("FakeXla", (), {"device": staticmethod(lambda: torch.device("xla"))}))
+    outcome = xla_fuzz.check(scenario.seed)
+    assert outcome.status == ("upstream" if eager_error == "same" else "failed"), outcome.detail
+
+
 @pytest.mark.parametrize("gone_in_float64", [True, False])
 def test_a_float32_deviation_is_numerics_only_if_float64_removes_it(monkeypatch, gone_in_float64):
     """The float64 rerun excuses a difference only when donate_xla then equals eager CPU."""

@@ -598,6 +598,34 @@ def test_eager_code_before_a_stitched_step_has_run_keeps_its_values(between, syn
     assert_close_tree(got, expected, "losses, kept tensors, parameters, momentum")
 
 
+@pytest.mark.parametrize("stitch", [False, True])
+def test_a_clone_read_on_the_host_survives_an_eager_update_and_a_compiled_call(stitch):
+    """Reading a clone of a device tensor on the host leaves the clone and the original
+    on one buffer. An eager in-place update of the original, then a torch_xla sync,
+    donates that buffer and loses the clone (torch_xla 2.9, eager or openxla; see
+    docs/xla.md; openxla's call does the same). A donate_xla call must not: the clone
+    keeps its value and the update lands."""
+    from donate_backend import config
+
+    device = torch_xla.device()
+    b = torch.randn(6).to(device)
+    w = torch.randn(6).to(device)
+    torch_xla.sync()
+    b_host = b.cpu()
+    kept = b.clone()
+    assert torch.equal(kept.cpu(), b_host)
+    b.mul_(0.5)  # eager, pending
+
+    @torch.compile(backend="donate_xla")
+    def bump(w):
+        w.add_(1)
+
+    with config.patch(stitch=stitch):
+        bump(w)  # openxla syncs the pending update here and loses the clone
+    assert torch.equal(kept.cpu(), b_host)
+    assert torch.equal(b.cpu(), b_host * 0.5)
+
+
 def test_a_stitched_step_donates_again_after_a_copy_suspended_it():
     """A ``copy_`` between a stitched step and its run suspends donation for one step
     (``_Pending``); the steps after give every parameter and state tensor its own
