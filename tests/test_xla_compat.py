@@ -276,3 +276,67 @@ def test_the_xla_element_type_of_a_bool_tensor(xla_device, monkeypatch):
     assert compat.stores_as_pred(torch.ones(2, dtype=torch.bool).to(xla_device)) is True
     monkeypatch.delattr(torch_xla._XLAC, "_get_xla_tensor_shape_type")
     assert compat.stores_as_pred(mask) is None  # then such a mask stays as it is
+
+
+@pytest.mark.parametrize(
+    "raw,off",
+    [(None, False), ("1", False), ("true", False), ("7", False), ("0", True), ("false", True), ("00", True),
+     ("no", True), (" -2x", False)],
+)
+def test_param_aliasing_switch_is_read_as_torch_xla_reads_it(monkeypatch, raw, off):
+    """``GetEnvBool``: "true"/"false", else C's atoi (so "no" is 0: off)."""
+    if raw is None:
+        monkeypatch.delenv("XLA_ENABLE_PARAM_ALIASING", raising=False)
+    else:
+        monkeypatch.setenv("XLA_ENABLE_PARAM_ALIASING", raw)
+    reason = compat.donation_turned_off()
+    assert (reason is not None) == off
+    if off:
+        assert f"XLA_ENABLE_PARAM_ALIASING={raw}" in reason
+
+
+def test_auto_sharding_turns_donation_off(monkeypatch):
+    monkeypatch.delenv("XLA_ENABLE_PARAM_ALIASING", raising=False)
+    monkeypatch.setattr(torch_xla._XLAC, "_xla_get_auto_sharding", lambda: True, raising=False)
+    assert "auto-sharding" in compat.donation_turned_off()
+    monkeypatch.delattr(torch_xla._XLAC, "_xla_get_auto_sharding")  # an older torch_xla: no such mode
+    assert compat.donation_turned_off() is None
+
+
+PARAM_ALIASING_OFF = """
+import warnings, torch, torch_xla
+import donate_backend
+from xla_models import linear_sgd_momentum
+device = torch_xla.device()
+params, opt, step, x = linear_sgd_momentum(torch.device("cpu"))
+expected = [float(step(x)) for _ in range(3)], [p.detach().clone() for p in params]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    params, opt, step, x = linear_sgd_momentum(device, lambda f: torch.compile(f, backend="donate_xla"))
+    losses = [float(step(x)) for _ in range(3)]
+torch.testing.assert_close(losses, expected[0])
+for p, e in zip(params, expected[1]):
+    torch.testing.assert_close(p.detach().cpu(), e)
+records = [r for r in donate_backend.reports() if r.path == "xla"]
+assert records and not any(r.donated for r in records) and not any(r.donation_enabled for r in records)
+said = [str(w.message) for w in caught if "XLA_ENABLE_PARAM_ALIASING=0" in str(w.message)]
+assert len(said) == 1, said
+print("ok")
+"""
+
+
+def test_with_torch_xla_param_aliasing_off_graphs_run_without_donating():
+    """XLA_ENABLE_PARAM_ALIASING=0 (read once per process by torch_xla) made every
+    donating graph fail with "Failed to get computation by hash": torch_xla's graph
+    hash counted the donors its compile then left out. Now the graphs compile without
+    donors, values equal eager, and one warning says why nothing is donated."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_ENABLE_PARAM_ALIASING": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", PARAM_ALIASING_OFF], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")

@@ -288,6 +288,32 @@ def supports_donation() -> bool:
     )
 
 
+def donation_turned_off() -> Optional[str]:
+    """Why torch_xla will not donate buffers in this process, or None.
+
+    ``XLA_ENABLE_PARAM_ALIASING=0`` and auto-sharding make torch_xla compile
+    without buffer donors, while the graph hash it reports still counts them: a
+    graph lowered with donors would be cached under another hash than the one
+    asked for ("Failed to get computation by hash"). Parsed as torch_xla's
+    ``GetEnvBool`` does.
+    """
+    raw = os.environ.get("XLA_ENABLE_PARAM_ALIASING")
+    if raw is not None and raw != "true" and (raw == "false" or _atoi(raw) == 0):
+        return f"XLA_ENABLE_PARAM_ALIASING={raw} turns off buffer donation in torch_xla"
+    auto_sharding = _optional("_xla_get_auto_sharding")
+    if auto_sharding is not None and auto_sharding():
+        return "torch_xla's auto-sharding turns off buffer donation"
+    return None
+
+
+def _atoi(raw: str) -> int:
+    """C's ``atoi``: the leading integer of ``raw``, 0 if there is none."""
+    digits = raw.lstrip()
+    sign, digits = (digits[0], digits[1:]) if digits[:1] in ("+", "-") else ("", digits)
+    n = len(digits) - len(digits.lstrip("0123456789"))
+    return int(sign + digits[:n]) if n else 0
+
+
 def set_buffer_donation(t: torch.Tensor, donate: bool) -> bool:
     return bool(_required("_set_buffer_donation")(t, donate))
 

@@ -25,6 +25,7 @@ from .runtime import PerSignatureExecutable, StitchedExecutable, XlaExecutable
 from .trace import check_inputs, host_input_bytes, output_nodes
 
 _warned_unusable: set[str] = set()
+_warned_no_donation: set[str] = set()
 
 
 def saved_bytes(gm, ctx) -> Optional[int]:
@@ -121,6 +122,19 @@ def choose_donors(gm, example_inputs, ctx, roles) -> DonorChoice:
     return DonorChoice(donors, [i for i in requested if i not in reasons], exclusions, requestable)
 
 
+def _torch_xla_donates() -> bool:
+    """False (with a warning, once) where torch_xla's settings rule donation out."""
+    reason = compat.donation_turned_off()
+    if reason is not None and reason not in _warned_no_donation:
+        _warned_no_donation.add(reason)
+        warnings.warn(
+            f"donate_xla: {reason}; graphs are compiled without donating their inputs (values are "
+            "unaffected, memory is not saved). Unset it to donate.",
+            stacklevel=3,
+        )
+    return reason is None
+
+
 def _warn_unusable(graph_name: str, exclusions) -> None:
     unusable = [e.index for e in exclusions if e.reason == aliasing.NO_MATCHING_OUTPUT]
     if unusable and graph_name not in _warned_unusable:
@@ -211,9 +225,10 @@ def compile_graph(gm, example_inputs, ctx):
         real_inputs = device_args if compat.is_spmd() else None
         choice = choose_donors(gm, examples, ctx, roles)
         stitch = settings.stitch and real_inputs is None and not symbolic
+        donation = settings.donation and _torch_xla_donates()
         # stitched, the buffers are donated at the sync (StitchedExecutable), not in the HLO
-        active = choice.donors if settings.donation and not stitch else []
-        requested = choice.requested if settings.donation and not stitch else []
+        active = choice.donors if donation and not stitch else []
+        requested = choice.requested if donation and not stitch else []
 
         pinned = None
         if real_inputs is not None and ctx.kind == "forward":
@@ -260,7 +275,7 @@ def compile_graph(gm, example_inputs, ctx):
                     requested=set(requested),
                 ),
                 excluded=list(choice.exclusions),
-                donation_enabled=settings.donation,
+                donation_enabled=donation,
                 stitched=stitch,
                 saved_bytes=saved_bytes(gm, ctx),
                 recompute_gated=lowered.traced.recompute_gated if lowered.traced is not None else 0,
@@ -272,12 +287,12 @@ def compile_graph(gm, example_inputs, ctx):
         if stitch:
             return StitchedExecutable(
                 ctx.name, lowered, host_values=on_host,
-                donors=choice.donors if settings.donation else (), version_bumped=bumped,
+                donors=choice.donors if donation else (), version_bumped=bumped,
             )
         return XlaExecutable(
             ctx.name, lowered, relower, host_values=on_host, version_bumped=bumped,
             record_outputs=ctx.kind == "inference", requested=frozenset(requested),
-            requestable=choice.requestable if settings.donation and real_inputs is None else (),
+            requestable=choice.requestable if donation and real_inputs is None else (),
             sharded=compat.is_spmd(),
         )
 
