@@ -326,19 +326,43 @@ def tracing_settings(donate: bool) -> Iterator[None]:
     """
     get_scalars = _required("_get_xla_all_numbers_special_scalars")
     set_scalars = _required("_set_xla_all_numbers_special_scalars")
+    # XLA_NO_SPECIAL_SCALARS=1 turns this one off, and with it the switch above
+    get_handled = _required("_get_xla_handle_special_scalars")
+    set_handled = _required("_set_xla_handle_special_scalars")
     get_donor = _optional("_xla_get_enable_alias_with_buffer_donor_config")
     set_donor = _optional("_xla_set_enable_alias_with_buffer_donor_config")
-    saved_scalars = get_scalars()
+    saved_scalars, saved_handled = get_scalars(), get_handled()
     saved_donor = get_donor() if get_donor and set_donor else None
     set_scalars(True)
+    set_handled(True)
     if saved_donor is not None:
         set_donor(bool(donate))
     try:
-        yield
+        with lazy_mode():
+            yield
     finally:
         set_scalars(saved_scalars)
+        set_handled(saved_handled)
         if saved_donor is not None:
             set_donor(saved_donor)
+
+
+@contextlib.contextmanager
+def lazy_mode() -> Iterator[None]:
+    """torch_xla's eager mode off (``torch_xla.experimental.eager_mode``,
+    XLA_USE_EAGER_DEBUG_MODE=1): it runs each op as it is traced, on placeholders
+    that have no buffers (a segmentation fault), and would run a stitched step's
+    pieces one by one. Without the binding (no eager mode) nothing to do."""
+    get_eager = _optional("_get_use_eager_mode")
+    set_eager = _optional("_set_use_eager_mode")
+    saved = get_eager() if get_eager and set_eager else False
+    if saved:
+        set_eager(False)
+    try:
+        yield
+    finally:
+        if saved:
+            set_eager(True)
 
 
 @contextlib.contextmanager

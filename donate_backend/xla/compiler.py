@@ -178,7 +178,10 @@ class SwitchAwareExecutable:
         return self._builds.current()
 
     def __call__(self, args):
-        return self._builds.current()(args)
+        # under torch_xla's eager mode too, the call's own IR (copies, write-backs, a
+        # stitched step) stays lazy: run op by op, a clone would share its source's buffer
+        with compat.lazy_mode():
+            return self._builds.current()(args)
 
 
 def is_symbolic(example_inputs: Sequence) -> bool:
