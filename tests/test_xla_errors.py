@@ -321,3 +321,27 @@ def test_compiling_at_the_mapping_limit_is_a_clear_error_not_a_crash(xla_device,
     monkeypatch.undo()
     torch._dynamo.reset()
     torch.testing.assert_close(f(torch.ones(4).to(xla_device)).cpu(), torch.full((4,), 4.0))
+
+
+def _roll_node(shape):
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(shape, device="meta")
+    node = graph.call_function(torch.ops.aten.roll.default, (x, [1]))
+    return node
+
+
+def test_an_op_goes_to_the_cpu_only_for_the_arguments_its_kernel_hands_over(monkeypatch):
+    """``lowerable_node`` asks an op's fallback predicate about the node's arguments
+    (their fake values); a predicate that raises (an argument layout nobody foresaw)
+    sends the op to the CPU, the safe side."""
+    from donate_backend.xla import trace
+
+    assert trace.lowerable_node(_roll_node((3, 4)))
+    assert not trace.lowerable_node(_roll_node((0, 4)))  # torch_xla's kernel: SIGFPE
+
+    def surprised(args, kwargs):
+        raise IndexError("an argument layout nobody foresaw")
+
+    monkeypatch.setitem(trace._FALLS_BACK_WITH, torch.ops.aten.roll.default, surprised)
+    assert not trace.lowerable_node(_roll_node((3, 4)))
