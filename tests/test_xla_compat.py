@@ -155,9 +155,6 @@ print("ok")
         # scalars (the graph fingerprint among them) became uploaded data: "Execution
         # supplied 4 buffers but compiled program expected 3"
         "XLA_NO_SPECIAL_SCALARS",
-        # the donor check asked functionalization about tensors it does not wrap:
-        # "isFunctionalTensor(tensor) INTERNAL ASSERT FAILED" (openxla computes wrong values)
-        "XLA_DISABLE_FUNCTIONALIZATION",
         # every op traced on a placeholder ran at once: a segmentation fault
         "XLA_USE_EAGER_DEBUG_MODE",
     ],
@@ -175,6 +172,42 @@ def test_torch_xla_debug_switches_leave_values_right(variable):
     out = subprocess.run([sys.executable, "-c", SGD_STEPS], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+FUNCTIONALIZATION_OFF = """
+import torch, torch_xla
+import donate_backend
+x = torch.ones(3).to(torch_xla.device())
+try:
+    torch.compile(lambda t: t * 2, backend="donate_xla")(x)
+except Exception as exc:  # dynamo wraps the backend's error
+    print(exc)
+"""
+
+
+def test_without_torch_xla_functionalization_graphs_are_refused():
+    """XLA_DISABLE_FUNCTIONALIZATION=1: views taken before a call did not follow
+    their base, a lazy clone lost its value and reads failed with "Check failed:
+    handle->HasValue()" (openxla computes wrong values). Refused, with what to do."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_DISABLE_FUNCTIONALIZATION": "1"}
+    out = subprocess.run([sys.executable, "-c", FUNCTIONALIZATION_OFF], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "UnsupportedGraphError: graph 0: donate_xla needs torch_xla's functionalization" in out.stdout
+    assert "XLA_DISABLE_FUNCTIONALIZATION=1" in out.stdout and "Unset XLA_DISABLE_FUNCTIONALIZATION" in out.stdout
+
+
+@pytest.mark.parametrize("raw,off", [(None, False), ("0", False), ("false", False), ("1", True), ("true", True)])
+def test_functionalization_switch_is_read_as_torch_xla_reads_it(monkeypatch, raw, off):
+    if raw is None:
+        monkeypatch.delenv("XLA_DISABLE_FUNCTIONALIZATION", raising=False)
+    else:
+        monkeypatch.setenv("XLA_DISABLE_FUNCTIONALIZATION", raw)
+    assert (compat.functionalization_disabled() is not None) == off
 
 
 def test_without_the_eager_mode_binding_lazy_mode_does_nothing(xla_device, monkeypatch):

@@ -12,6 +12,7 @@ from .. import config
 from ..analysis.aliasing import overlapping_inputs_written
 from ..analysis.mutation import donation_requests
 from ..errors import UnsupportedGraphError
+from . import compat
 from .compiler import compile_graph
 from .rewrite import rewrite_for_xla
 from .sharding import MeshDescription, describe_mesh, mark_sharding
@@ -105,7 +106,19 @@ def check_dynamo_graph(gm, example_inputs, graph_id: int) -> None:
     synthetic bases, which give wrong values for XLA tensors on torch 2.9 /
     torch_xla 2.9 (``aot_eager`` included), so it is an error rather than a
     silently wrong result.
+
+    Without torch_xla's functionalization (XLA_DISABLE_FUNCTIONALIZATION=1) a
+    view taken before a call does not follow its base's new value, a lazy clone
+    taken before a donating call lost its value, and reads failed with "Check
+    failed: handle->HasValue()" (openxla computes wrong values there): refused.
     """
+    switch = compat.functionalization_disabled()
+    if switch is not None:
+        raise UnsupportedGraphError(
+            f"graph {graph_id}: donate_xla needs torch_xla's functionalization, which {switch} "
+            "turns off: views, clones and copies of the graph's inputs would read wrong or deleted "
+            "buffers. Unset XLA_DISABLE_FUNCTIONALIZATION (it is a torch_xla debugging switch)."
+        )
     for first, second in overlapping_inputs_written(gm):
         raise UnsupportedGraphError(
             f"graph {graph_id}: inputs #{first} and #{second} are views of one XLA tensor and "

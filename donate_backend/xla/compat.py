@@ -298,12 +298,23 @@ def donation_turned_off() -> Optional[str]:
     ``GetEnvBool`` does.
     """
     raw = os.environ.get("XLA_ENABLE_PARAM_ALIASING")
-    if raw is not None and raw != "true" and (raw == "false" or _atoi(raw) == 0):
+    if raw is not None and not _env_bool(raw):
         return f"XLA_ENABLE_PARAM_ALIASING={raw} turns off buffer donation in torch_xla"
     auto_sharding = _optional("_xla_get_auto_sharding")
     if auto_sharding is not None and auto_sharding():
         return "torch_xla's auto-sharding turns off buffer donation"
     return None
+
+
+def functionalization_disabled() -> Optional[str]:
+    """``XLA_DISABLE_FUNCTIONALIZATION=<value>`` if it is set to true, else None."""
+    raw = os.environ.get("XLA_DISABLE_FUNCTIONALIZATION")
+    return f"XLA_DISABLE_FUNCTIONALIZATION={raw}" if raw is not None and _env_bool(raw) else None
+
+
+def _env_bool(raw: str) -> bool:
+    """A set variable read as torch_xla's ``GetEnvBool`` reads it."""
+    return raw == "true" or (raw != "false" and _atoi(raw) != 0)
 
 
 def _atoi(raw: str) -> int:

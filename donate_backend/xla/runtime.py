@@ -74,9 +74,7 @@ def identity_storages(tensors: Sequence[torch.Tensor]) -> bool:
     like this; parameters (a ``detach`` of their base) are not.
     """
     get_sequence = getattr(torch._C._functionalization, "get_view_meta_sequence", None)
-    is_functional = getattr(torch, "_is_functional_tensor", None)
-    if get_sequence is None or is_functional is None or not all(map(is_functional, tensors)):
-        # unknown torch, or XLA_DISABLE_FUNCTIONALIZATION=1: only plain, non-view tensors
+    if get_sequence is None:  # unknown torch: only plain, non-view tensors are donated
         return not any(t._is_view() for t in tensors)
     return all(type(meta).__name__ in _IDENTITY_VIEWS for t in tensors for meta in get_sequence(t))
 
