@@ -8,6 +8,7 @@ while compiling.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -252,10 +253,76 @@ def pending_results_check() -> None:
     }))
 
 
+def real_model_check(name: str, compile_how: str) -> None:
+    """A real model (tests/real_models.py) FSDP-style on the mesh: every parameter whose
+    first dimension the devices divide is sharded on it, the batch (4 sequences) on the
+    batch dimension. 3 AdamW steps eagerly and with donate_xla, the model compiled
+    (``model``) or the whole step (``step``)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import real_models
+
+    real = real_models.MODELS[name]
+    mesh = mesh_for("dp")
+    n = xr.global_runtime_device_count()
+    device = torch_xla.device()
+
+    def batch_of(seed: int) -> dict:
+        ids = real_models._tokens(seed, batch=4).to(device)
+        xs.mark_sharding(ids, mesh, ("data", None))
+        return {"input_ids": ids, "labels": ids}
+
+    def run(how: str) -> dict:
+        model = real.build().to(device)
+        for p in model.parameters():
+            if p.shape[0] % n == 0:
+                xs.mark_sharding(p, mesh, ("data",) + (None,) * (p.dim() - 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(module, batch):
+            loss = real.loss(module, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        if how == "model":
+            compiled = torch.compile(model, backend="donate_xla")
+            call = lambda batch: step(compiled, batch)  # noqa: E731
+        elif how == "step":
+            call = torch.compile(lambda batch: step(model, batch), backend="donate_xla")
+        else:
+            call = lambda batch: step(model, batch)  # noqa: E731
+        losses = []
+        for seed in range(3):
+            losses.append(call(batch_of(seed)).cpu().item())
+            torch_xla.sync()
+        params = list(model.parameters())
+        return {
+            "losses": losses,
+            "params": [p.detach().cpu().flatten().tolist() for p in params],
+            "param_specs": torch_xla._XLAC._get_xla_sharding_specs(params),
+            "sharded_params": sum(p.shape[0] % n == 0 for p in params),
+        }
+
+    eager = run("eager")
+    torch._dynamo.reset()
+    compiled = run(compile_how)
+    records = [r for r in donate_backend.reports() if r.path == "xla"]
+    print(json.dumps({
+        "eager": eager,
+        "donate_xla": compiled,
+        "graphs": len(records),
+        "donated_sharded": sum(d.sharding.startswith("{devices=") for r in records for d in r.donated),
+        "donated": sum(len(r.donated) for r in records),
+    }))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "rng":
         rng_check()
     elif sys.argv[1] == "pending":
         pending_results_check()
+    elif sys.argv[1] == "real":
+        real_model_check(*sys.argv[2:])
     else:
         main(*sys.argv[1:])
