@@ -10,12 +10,15 @@ import donate_backend  # noqa: E402
 
 
 def _has_torch_xla() -> bool:
-    # Imported before any test runs autograd: torch_xla registers its device with
-    # the autograd engine, which fails once the engine has started.
+    # Before any test runs autograd, torch_xla must register its devices with the
+    # autograd engine, which sizes its device queues when it starts: importing it is
+    # not enough, its runtime must have counted them (else an XLA backward after a
+    # CPU one fails an INTERNAL ASSERT in engine.cpp).
     try:
-        import torch_xla  # noqa: F401
+        import torch_xla
     except ImportError:
         return False
+    torch_xla.device_count()
     return True
 
 

@@ -17,6 +17,7 @@ import torch
 import donate_backend
 from donate_backend import config
 from donate_backend.native.compiled import CompiledGraph
+from programs import inference_mode_program
 
 
 class WithConstants(torch.nn.Module):
@@ -182,3 +183,16 @@ def test_optimizer_in_backward_hooks_fire_as_in_eager(executor):
         torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-6)
     _assert_close(list(ours.parameters()), list(eager.parameters()), rtol=1e-5, atol=1e-6)
     assert any(r.kind == "backward" for r in donate_backend.reports())
+
+
+@pytest.mark.parametrize("executor", ["aten", "inductor"])
+def test_compiled_calls_under_inference_mode_match_eager(executor):
+    """The program tests/test_xla_trust.py runs on XLA (evaluation under
+    ``torch.inference_mode()``, an inference tensor accumulated into inside a compiled
+    call, then used to train), on the native path: equal to eager."""
+    expected = inference_mode_program(torch.device("cpu"), lambda f: f)
+    torch._dynamo.reset()
+    with config.patch(native_compiler=executor):
+        got = inference_mode_program(torch.device("cpu"), lambda f: torch.compile(f, backend="donate_xla"))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)

@@ -79,6 +79,14 @@ def identity_storages(tensors: Sequence[torch.Tensor]) -> bool:
     return all(type(meta).__name__ in _IDENTITY_VIEWS for t in tensors for meta in get_sequence(t))
 
 
+def _tracks_versions(t: torch.Tensor) -> bool:
+    """Whether ``t`` has a version counter. A tensor made under
+    ``torch.inference_mode()`` has none (reading ``_version`` raises), and inside
+    that mode it can be updated in place without a trace, so no record vouches for
+    it: donating it costs a copy."""
+    return not t.is_inference()
+
+
 class _Installed:
     """The tensors holding a buffer no other tensor can hold: target -> (what it
     held then, its XLA tensor's id, its version then).
@@ -103,7 +111,7 @@ class _Installed:
         that the buffer's device data object cannot be freed and its address reused
         for another tensor's (which would make a changed tensor look unchanged)."""
         for t, pin, held, tensor_id in zip(tensors, pins, compat.value_identities(tensors), compat.tensor_ids(tensors)):
-            if ", " in held:  # it has an IR node already
+            if ", " in held or not _tracks_versions(t):  # it has an IR node already, or no versions
                 self.forget(t)
                 continue
             key = id(t)
@@ -185,7 +193,8 @@ class _Pending:
         if self._entries and (copies is None or copies != self._copies):
             self._entries = []  # a copy_ since the earlier write-backs: they cannot be confirmed
         for target, result, tensor_id in zip(targets, results, compat.tensor_ids(targets)):
-            self._entries.append((weakref.ref(target), result, tensor_id, target._version))
+            if _tracks_versions(target):
+                self._entries.append((weakref.ref(target), result, tensor_id, target._version))
         self._copies = copies
 
     def confirm(self) -> None:

@@ -1,0 +1,47 @@
+"""Training programs shared by the XLA and the native tests: each runs on any device,
+with ``compile_fn`` applied to its model and functions (the identity for eager)."""
+from __future__ import annotations
+
+import torch
+
+
+def inference_mode_program(device, compile_fn):
+    """Evaluation under ``torch.inference_mode()`` with compiled functions, then training
+    on a tensor made there. Outputs made in that mode are inference tensors, which
+    have no version counter; one is accumulated into in place inside a compiled call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+    ).to(device)
+    forward = compile_fn(model)
+
+    def accumulate(acc, y):
+        acc.add_(y)
+        return acc * 2
+
+    accumulate = compile_fn(accumulate)
+    x = torch.arange(8.0).reshape(2, 4).to(device)
+    kept = []
+    with torch.inference_mode():
+        y = forward(x)  # BatchNorm in training mode: its running statistics move
+        acc = torch.zeros(2, 3, device=device)
+        for i in range(3):
+            kept.append(accumulate(acc, y).clone())
+            y = forward(x + i)
+        model.eval()
+        kept.append(forward(x))
+        model.train()
+    assert acc.is_inference()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(inp, target):  # the inference tensor as a plain input, never saved for backward
+        loss = (model(inp) - target).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = compile_fn(step)
+    kept += [step(x, acc).reshape(1) for _ in range(3)]
+    return [t.cpu() for t in kept + [acc] + list(model.parameters()) + list(model.buffers())]
+
