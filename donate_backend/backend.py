@@ -21,11 +21,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import warnings
 from typing import Callable, Sequence
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
+from . import config
 from .analysis.mutation import dynamo_input_roles
 from .errors import DonateXlaError
 
@@ -93,9 +95,36 @@ def _kind_compiler(
     return compile_one
 
 
-def donate_xla(gm: torch.fx.GraphModule, example_inputs, **_options):
+def check_compile_arguments(graph_id: int, mode=None, options=None, **others) -> None:
+    """``torch.compile``'s ``mode`` and ``options`` reach a custom backend as keyword
+    arguments. ``options`` is refused (ignoring it would leave the user believing a
+    setting took effect); a ``mode`` other than the default is ignored with a warning
+    (Inductor's modes: CUDA graphs, autotuning)."""
+    if options or others:
+        given = sorted(options or {}) + sorted(others)
+        raise DonateXlaError(
+            f"donate_xla: graph {graph_id}: torch.compile(options=...) is not supported "
+            f"(given: {', '.join(map(str, given))}). donate_xla's settings are read at every "
+            "call from the DONATE_XLA_* environment variables or donate_backend.config.patch(...): "
+            + ", ".join(f.name for f in dataclasses.fields(config.Settings))
+            + " (README, 'Switches'). Call torch.compile without options."
+        )
+    if mode not in (None, "default"):
+        _warn_once(
+            f"donate_xla ignores torch.compile(mode={mode!r}): the modes select Inductor's "
+            "features (CUDA graphs, autotuning); donate_xla compiles the same way in every mode."
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def donate_xla(gm: torch.fx.GraphModule, example_inputs, **compile_arguments):
     """Dynamo backend entry point (registered as ``"donate_xla"``)."""
     graph_id = next(_graph_ids)
+    check_compile_arguments(graph_id, **compile_arguments)
     path = _path_module(graph_device_type(example_inputs), graph_id, example_inputs)
     path.check_dynamo_graph(gm, example_inputs, graph_id)
     path.prepare_dynamo_graph(gm)

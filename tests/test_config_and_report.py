@@ -87,3 +87,34 @@ def test_record_says_how_many_recomputation_roots_were_ordered():
     assert "recomputation kept in order: 3 roots wait for the gradient before them" in report.format_record(ordered)
     plain = report.GraphRecord(0, "backward", "xla", "xla", 5)
     assert "recomputation" not in report.format_record(plain)
+
+
+def test_compile_options_are_refused_and_modes_ignored_with_a_warning():
+    """``torch.compile``'s ``options`` reach the backend; ignoring them would let a user
+    believe a setting took effect. They are refused with the settings that exist; a
+    mode (Inductor's CUDA graphs, autotuning) compiles as the default does, with a warning."""
+    import warnings
+
+    import torch
+
+    from donate_backend.errors import DonateXlaError
+
+    def f(x):
+        return x * 2 + 1
+
+    x = torch.arange(3.0)
+    with pytest.raises(Exception, match=r"options=\.\.\.\) is not supported \(given: activation_budget\)") as info:
+        torch.compile(f, backend="donate_xla", options={"activation_budget": 0.5})(x)
+    assert DonateXlaError.__name__ in str(info.value)  # dynamo wraps it, keeping the message
+    assert "DONATE_XLA_* environment variables" in str(info.value) and "stitch" in str(info.value)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(f, backend="donate_xla", mode="reduce-overhead")(x)
+    assert torch.equal(out, f(x))
+    assert any("ignores torch.compile(mode='reduce-overhead')" in str(w.message) for w in caught)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(torch.compile(f, backend="donate_xla")(x), f(x))
+    assert not any("ignores torch.compile" in str(w.message) for w in caught)
