@@ -29,6 +29,9 @@ Python source, the way users write training code:
   eager optimizer's weight decay), and ``torch_xla.sync()``; the backups are
   compared like the state.
 
+Half the calls of a function made under ``no_grad`` run under
+``torch.inference_mode()`` (evaluation), so its outputs are inference tensors.
+
 The functions are called in a random order for several steps, sharing the
 state. After every call the outputs and every piece of state (parameters,
 gradients, buffers, optimizer state, argument tensors) are compared with the
@@ -49,6 +52,7 @@ source of the scenario.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -99,9 +103,14 @@ class Scenario:
     calls: list  # function index per step
     eval_calls: frozenset = frozenset()  # steps that run with the state in eval mode
     between: dict = dataclasses.field(default_factory=dict)  # step -> eager statements after it
+    # steps whose call (of a function made under no_grad) runs under torch.inference_mode():
+    # its outputs are inference tensors, which have no version counter
+    inference_mode_calls: frozenset = frozenset()
 
     def source(self) -> str:
         parts = [f"# seed {self.seed}; tied W1 is W0: {self.tied}; eval mode at steps {sorted(self.eval_calls)}"]
+        if self.inference_mode_calls:
+            parts += [f"# under torch.inference_mode() at steps {sorted(self.inference_mode_calls)}"]
         parts += [f"opts[{k}] = {expr}" for k, expr in enumerate(self.optimizers)]
         parts += [f"# args: {self.args}"]
         parts += [src for _, src in self.functions]
@@ -353,7 +362,7 @@ def generate(seed: int) -> Scenario:
     norms = norm_rng.random() < 0.5
     fallback_rng = random.Random(seed * 61 + 13)
     fallbacks = fallback_rng.random() < 0.3
-    functions = []
+    functions, no_grad_functions = [], set()
     for f in range(rng.randint(1, 3)):
         body = _Body(rng, args, len(optimizers), norm_rng if norms else None, fallback_rng if fallbacks else None)
         inference = rng.random() < 0.3  # the whole function under no_grad
@@ -370,6 +379,7 @@ def generate(seed: int) -> Scenario:
         body.returns()
         if inference:
             body.lines = ["    with torch.no_grad():"] + ["    " + line for line in body.lines]
+            no_grad_functions.add(f)
         signature = ", ".join(["x", "y"] + [name for name, _ in args])
         functions.append((f"f{f}", f"def f{f}({signature}):\n" + "\n".join(body.lines)))
     calls = [rng.randrange(len(functions)) for _ in range(rng.randint(3, 5))]
@@ -382,7 +392,11 @@ def generate(seed: int) -> Scenario:
             k: _between_statements(between_rng, decay_rng)
             for k in range(len(calls) - 1) if between_rng.random() < 0.6
         }
-    return Scenario(seed, tied, optimizers, args, functions, calls, eval_calls, between)
+    inference_rng = random.Random(seed * 71 + 5)  # own stream too
+    inference_mode_calls = frozenset(
+        k for k, index in enumerate(calls) if index in no_grad_functions and inference_rng.random() < 0.5
+    )
+    return Scenario(seed, tied, optimizers, args, functions, calls, eval_calls, between, inference_mode_calls)
 
 
 # -- running -----------------------------------------------------------------------------
@@ -494,13 +508,15 @@ def run(scenario: Scenario, device: torch.device, compiled, backend: str = "dona
         x = torch.randn(N, D, generator=gb).to(device)
         y = torch.randn(N, D, generator=gb).to(device)
         try:
+            grad_mode = torch.inference_mode() if step in scenario.inference_mode_calls else contextlib.nullcontext()
             if mixed:
                 from donate_backend import config
 
-                with config.patch(stitch=coin.random() < 0.5):
+                with config.patch(stitch=coin.random() < 0.5), grad_mode:
                     out = functions[index](x, y, *args.values())
             else:
-                out = functions[index](x, y, *args.values())
+                with grad_mode:
+                    out = functions[index](x, y, *args.values())
             result.outputs.append(out)
             if step in scenario.between:
                 with torch.no_grad():
