@@ -117,10 +117,17 @@ def _listed(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+_COND = getattr(getattr(torch.ops, "higher_order", None), "cond", None)
+
+
 def lowerable_node(node: torch.fx.Node) -> bool:
     """Whether torch_xla can trace ``node`` on placeholders: an op with an XLA (or
     composite) kernel that, for these arguments, does not hand them to its CPU fallback."""
     target = _EQUIVALENT_OPS.get(node.target, node.target)
+    if target is _COND:
+        # torch_xla runs torch.cond by reading its predicate's value, which a placeholder
+        # does not have ("Check failed: handle->HasValue()" while tracing)
+        return False
     if not isinstance(target, torch._ops.OpOverload):
         return True
     if not has_xla_lowering(target):
