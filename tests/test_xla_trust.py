@@ -5,6 +5,7 @@ oracle) from the same initial values, for several steps; every returned value
 and every piece of state is compared after each step.
 """
 import copy
+import functools
 
 import pytest
 import torch
@@ -1199,3 +1200,41 @@ def test_torch_cond_runs_its_branch_on_the_cpu_and_trains_like_eager(stitched):
     assert_close_tree(got, expected, "losses, parameters")
     split = {r.kind for r in donate_backend.reports() if "cond" in r.fallback_ops}
     assert split == {"forward", "backward"}
+
+
+def _control_flow(kind: str, x, w):
+    from torch._higher_order_ops.scan import scan
+    from torch._higher_order_ops.while_loop import while_loop
+    from functorch.experimental.control_flow import map as control_map
+
+    if kind == "while_loop":  # (its body cannot differentiate: on x @ w's value only)
+        h = (x @ w).detach()
+        return while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h * 2 + 1), (torch.tensor(0, device=x.device), h))[1]
+    if kind == "scan":  # an RNN over the leading dimension
+
+        def cell(carry, xi):
+            new = torch.tanh(carry @ w + xi)
+            return new, new.clone()
+
+        return scan(cell, torch.zeros(x.shape[1], w.shape[0], device=x.device), x)[1]
+    return control_map(lambda xi, w: xi @ w, x, w)
+
+
+@pytest.mark.parametrize("kind", ["while_loop", "scan", "map"])
+def test_loops_run_on_the_cpu_with_eagers_values_and_gradients(kind):
+    """``while_loop``, ``scan`` and ``control_flow.map`` were refused like ``torch.cond``
+    (torch_xla iterates on values a placeholder lacks); they run on the CPU between XLA
+    segments now, with eager's values and, for scan and map, gradients."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 2, 3, generator=g), torch.randn(3, 3, generator=g)
+    expected_w = w.clone().requires_grad_()
+    expected = _control_flow(kind, x, expected_w)
+    device = torch_xla.device()
+    got_w = w.to(device).requires_grad_()
+    got = torch.compile(functools.partial(_control_flow, kind), backend="donate_xla")(x.to(device), got_w)
+    assert_close_tree(got, expected, f"{kind} values")
+    if kind != "while_loop":
+        weights = torch.arange(got.numel(), dtype=torch.float32).reshape(got.shape) / got.numel()
+        (expected_grad,) = torch.autograd.grad((expected * weights).sum(), expected_w)
+        (got_grad,) = torch.autograd.grad((got * weights.to(device)).sum(), got_w)
+        assert_close_tree(got_grad, expected_grad, f"{kind} gradient")

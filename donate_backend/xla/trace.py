@@ -117,16 +117,22 @@ def _listed(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-_COND = getattr(getattr(torch.ops, "higher_order", None), "cond", None)
+# Control flow (``torch.cond``, ``while_loop``, ``scan``, ``control_flow.map``): torch_xla
+# runs it by reading the predicate or iterating over the data, which a placeholder does not
+# have ("Check failed: handle->HasValue()", or a fake tensor meeting a real one, while tracing)
+_CONTROL_FLOW = frozenset(
+    op for op in (
+        getattr(getattr(torch.ops, "higher_order", None), name, None)
+        for name in ("cond", "while_loop", "scan", "map_impl", "associative_scan")
+    ) if op is not None
+)
 
 
 def lowerable_node(node: torch.fx.Node) -> bool:
     """Whether torch_xla can trace ``node`` on placeholders: an op with an XLA (or
     composite) kernel that, for these arguments, does not hand them to its CPU fallback."""
     target = _EQUIVALENT_OPS.get(node.target, node.target)
-    if target is _COND:
-        # torch_xla runs torch.cond by reading its predicate's value, which a placeholder
-        # does not have ("Check failed: handle->HasValue()" while tracing)
+    if target in _CONTROL_FLOW:
         return False
     if not isinstance(target, torch._ops.OpOverload):
         return True
