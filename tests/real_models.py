@@ -1,6 +1,6 @@
 """Real models, CI-sized: HF transformers from tiny configs and torchvision, random weights.
 
-GPT-2, BERT, Llama, T5; resnet18, ViT, ConvNeXt and Swin.
+GPT-2, BERT, Llama, T5, Mixtral (mixture of experts); resnet18, ViT, ConvNeXt and Swin.
 
 Shared by tests/test_native_real_models.py, tests/test_ddp_real_models.py and
 bench/backward_memory.py. Everything is built offline from a config (no hub
@@ -88,6 +88,19 @@ def llama():
     return transformers.LlamaForCausalLM(config)
 
 
+def mixtral():
+    # A mixture of experts: each token is routed to its top 2 of 4 experts, so which
+    # rows each expert's matmuls see depends on the data (dynamo breaks the graph there).
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=SEQ, attention_dropout=0.0, router_jitter_noise=0.0,
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
 def t5():
     import transformers
 
@@ -148,6 +161,7 @@ MODELS: Dict[str, RealModel] = {
     "bert": RealModel("bert", bert, _lm_batch, _hf_loss, "transformers"),
     "llama": RealModel("llama", llama, _lm_batch, _hf_loss, "transformers"),
     "t5": RealModel("t5", t5, _lm_batch, _hf_loss, "transformers"),
+    "mixtral": RealModel("mixtral", mixtral, _lm_batch, _hf_loss, "transformers"),
     "resnet18": RealModel("resnet18", resnet18, _images, _image_loss, "torchvision"),
     "vit": RealModel("vit", vit, _images, _image_loss, "torchvision"),
     "convnext": RealModel("convnext", convnext, _images, _image_loss, "torchvision"),

@@ -1,4 +1,4 @@
-"""Real models on the XLA path: HF GPT-2, BERT, Llama, T5 and torchvision ViT, resnet18, ConvNeXt, Swin.
+"""Real models on the XLA path: HF GPT-2, BERT, Llama, T5, Mixtral and torchvision ViT, resnet18, ConvNeXt, Swin.
 
 Each model (tiny config, random weights, dropout off; tests/real_models.py)
 trains 3 AdamW steps on the XLA device in eager torch_xla and with donate_xla,
@@ -96,7 +96,11 @@ def test_real_model_trains_like_eager_on_xla(name, compile_how):
         losses, params = _train(name, compile_how)
     records = [r for r in donate_backend.reports() if r.path == "xla"]
     assert records, "nothing was compiled on the XLA path"
-    assert all(r.stitched for r in records) == (compile_how == "stitched")
+    # (a graph with no HLO parameter, one that only makes constants, runs on its own)
+    assert all(
+        r.stitched == (compile_how == "stitched") for r in records if r.lowered is not None and r.lowered.params
+    )
+    assert any(r.stitched for r in records) == (compile_how == "stitched")
     if compile_how == "step":
         assert any(r.recompute_gated for r in records if r.kind == "backward")
         assert any(r.donated for r in records)
