@@ -26,7 +26,8 @@ Other step keys: ``set_to_none`` (train), ``use_last`` (False leaves the last
 layer unused), ``subset`` (parameter indices for the subset kinds),
 ``settings`` (a ``config.patch`` for the compiled run of this step only).
 
-Job options: ``graph_break``, ``bucket_cap_mb``, ``param_hook``, ``comm_hook``,
+Job options: ``graph_break``, ``shared_graph`` (one compiled graph run for
+every layer, with each layer's parameters), ``bucket_cap_mb``, ``param_hook``, ``comm_hook``,
 ``optimizer_in_backward`` (an SGD update in a post-accumulate-grad hook),
 ``join`` (``{"divide_by_initial_world_size": bool, "from_step": n}``: rank r
 runs r fewer steps, inside ``ddp.join(...)`` from step n), ``real_model`` (a
@@ -54,15 +55,27 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
 
-    def forward(self, x, use_last: bool = True, graph_break: bool = False):
+    def forward(self, x, use_last: bool = True, graph_break: bool = False, shared_graph: bool = False):
         if graph_break:  # two dynamo graphs: layers 0-1, then layers 2-3
             x = torch.relu(self.layers[1](torch.relu(self.layers[0](x))))
             torch._dynamo.graph_break()
             return torch.relu(self.layers[3](torch.relu(self.layers[2](x))))
+        if shared_graph:
+            # A graph break in the loop: dynamo compiles one graph for a layer and
+            # runs it for all four, each time with that layer's parameters (as it
+            # does for the experts of a mixture of experts).
+            for layer in self.layers if use_last else self.layers[:-1]:
+                torch._dynamo.graph_break()
+                x = _relu_layer(layer, x)
+            return x
         layers = self.layers if use_last else self.layers[:-1]
         for layer in layers:
             x = torch.relu(layer(x))
         return x
+
+
+def _relu_layer(layer, x):
+    return torch.relu(layer(x))
 
 
 class LogCapture(logging.Handler):
@@ -105,8 +118,9 @@ class MLPTask:
         kwargs = {}
         if not step.get("use_last", True):
             kwargs["use_last"] = False
-        if self.options.get("graph_break"):
-            kwargs["graph_break"] = True
+        for option in ("graph_break", "shared_graph"):
+            if self.options.get(option):
+                kwargs[option] = True
         return run(x, **kwargs).sum()
 
     def input_for_grad(self, x):

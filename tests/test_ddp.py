@@ -100,6 +100,22 @@ def test_bucket_written_by_several_graphs_is_reduced_once():
     steady(results, "buckets_reduced", 1)  # and all-reduced once per step
 
 
+@pytest.mark.parametrize("bucket_cap_mb", [1, 25])
+def test_one_graph_run_for_several_layers_writes_each_layers_slots(bucket_cap_mb):
+    # Dynamo compiles one graph for a layer and runs it for every layer, with
+    # that layer's parameters: the gradients of each run belong to the layer
+    # that ran, not to the one the graph was traced with (a mixture of experts
+    # does this with its experts). Written into the tracing layer's slots, every
+    # layer's gradient was wrong from the first step that writes into buckets.
+    results = run_job(
+        dict(name="shared", program=train(4),
+             options={"shared_graph": True, "bucket_cap_mb": bucket_cap_mb})
+    )
+    assert_equal_and_aliased(results, steady_writes=8, steady_out=4)
+    for result in results:
+        assert len(result["bucket_grads"]) < 4, result["bucket_grads"]  # fewer graphs than layers
+
+
 def test_gradient_hook_keeps_that_parameter_on_ddp_path():
     results = run_job(dict(name="param_hook", program=train(3), options={"param_hook": True}))
     assert_equal_on_every_rank(results)  # layers[0].weight doubles its gradient

@@ -130,17 +130,19 @@ def test_tensor_hooks_unknown_counts_as_a_hook():
 
 def test_engine_query_outside_a_backward_or_without_the_api(monkeypatch):
     p = torch.nn.Parameter(torch.zeros(2))
-    assert compat.accumulate_grad_node(p) is not None
-    assert compat.accumulate_grad_node(torch.zeros(2)) is None  # no grad: no node
-    assert compat.engine_will_accumulate(p) is None  # no backward is running
+    node = torch.autograd.graph.get_gradient_edge(p).node
+    assert compat.accumulated_variable(node) is p
+    assert compat.accumulated_variable((p * 2).grad_fn) is None  # not an AccumulateGrad
+    assert compat.accumulated_variable(None) is None
+    assert compat.engine_will_execute(node) is None  # no backward is running
+    assert compat.running_node_inputs() is None
     monkeypatch.delattr(torch._C, "_will_engine_execute_node")
-    assert compat.engine_will_accumulate(p) is None
-    monkeypatch.delattr(torch.autograd.graph, "get_gradient_edge")
-    assert compat.accumulate_grad_node(p) is None
+    assert compat.engine_will_execute(node) is None
 
 
-def _probe_during_backward(loss_fn):
-    """``engine_will_accumulate`` for two parameters, asked from inside a backward."""
+def _probe_during_backward(loss_fn, probe=None):
+    """What the engine says from inside a backward: whether it will accumulate into
+    w1 and w2, and (``probe``) anything else asked there."""
     w1, w2 = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3, 3))
     x = torch.randn(2, 3, requires_grad=True)
     seen = {}
@@ -152,7 +154,10 @@ def _probe_during_backward(loss_fn):
 
         @staticmethod
         def backward(ctx, g):
-            seen["w1"], seen["w2"] = compat.engine_will_accumulate(w1), compat.engine_will_accumulate(w2)
+            for name, w in (("w1", w1), ("w2", w2)):
+                seen[name] = compat.engine_will_execute(torch.autograd.graph.get_gradient_edge(w).node)
+            if probe is not None:
+                seen["probe"] = probe()
             return g
 
     loss_fn(lambda: Probe.apply(x @ w1 @ w2).sum(), x, w1, w2)
@@ -173,14 +178,67 @@ def test_engine_says_which_gradients_this_backward_accumulates():
     }
 
 
+class _Pair(torch.autograd.Function):
+    """``a * n + b``: two tensor inputs around an int; backward reports what the writer sees."""
+
+    seen: dict = {}
+
+    @staticmethod
+    def forward(ctx, a, n, b):
+        ctx.n = n
+        return a * n + b
+
+    @staticmethod
+    def backward(ctx, g):
+        _Pair.seen["inputs"] = compat.running_node_inputs()
+        _Pair.seen["call"] = writer.begin(_Pair.seen["graph"])
+        return g * ctx.n, None, g
+
+
+def _run_pair(graph):
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    _Pair.seen = {"graph": graph}
+    _Pair.apply(a, 3, b * 2).sum().backward()
+    return a, b, _Pair.seen
+
+
+def test_the_running_node_names_each_tensor_inputs_gradient_node():
+    a, b, seen = _run_pair(writer.GraphWrites("g", 2))
+    assert len(seen["inputs"]) == 2  # the int has no edge
+    assert compat.accumulated_variable(seen["inputs"][0]) is a
+    assert compat.accumulated_variable(seen["inputs"][1]) is None  # b * 2 is not a leaf
+    assert seen["call"].inputs == seen["inputs"]
+
+
+def test_begin_writes_nothing_when_the_node_does_not_match_the_graph(caplog):
+    with caplog.at_level(logging.WARNING, logger="donate_xla"):
+        _, _, seen = _run_pair(writer.GraphWrites("bw_graph_7", 3))
+    assert seen["call"].inputs is None
+    assert "bw_graph_7" in caplog.text and "normal path" in caplog.text
+
+
+def test_no_current_node_api_means_no_slot_write(monkeypatch):
+    monkeypatch.delattr(torch._C, "_current_autograd_node")
+    _, _, seen = _run_pair(writer.GraphWrites("g", 2))
+    assert seen["inputs"] is None and seen["call"].inputs is None
+
+
 class _FakeState:
     def __init__(self, param, slot):
         self.params = [param]
         self._slot = slot
         self.counts = WriteCounts()
 
+    def index_of(self, tensor):
+        return 0 if tensor is self.params[0] else None
+
     def slot(self, index):
         return self._slot
+
+
+def _call_for(param):
+    """A ``BackwardCall`` whose only input edge is ``param``'s AccumulateGrad node."""
+    return writer.BackwardCall((torch.autograd.graph.get_gradient_edge(param).node,))
 
 
 def test_writer_takes_the_plain_path_unless_the_engine_says_yes(monkeypatch):
@@ -191,20 +249,25 @@ def test_writer_takes_the_plain_path_unless_the_engine_says_yes(monkeypatch):
     for answer in (None, False):
         monkeypatch.setattr(compat, "engine_will_execute", lambda node, a=answer: a)
         with torch.no_grad():
-            assert w.write(grad) is grad
+            assert w.write(_call_for(param), grad) is grad
         assert param.grad is None and slot.sum() == 0
     monkeypatch.setattr(compat, "engine_will_execute", lambda node: True)
     with torch.no_grad():
-        assert w.write(grad) is None
+        other = torch.nn.Parameter(torch.zeros(2, 2))  # not a parameter of the module
+        assert w.write(_call_for(other), grad) is grad
+        assert w.write(writer.BackwardCall(None), grad) is grad  # no node known
+        assert param.grad is None and slot.sum() == 0
+        assert w.write(_call_for(param), grad) is None
     assert param.grad is slot and slot.sum() == 4
 
 
 def test_writer_takes_the_plain_path_outside_bucket_mode():
     grad = torch.ones(2)
+    param = torch.nn.Parameter(torch.zeros(2))
     w = writer.GradWriter(types.SimpleNamespace(state=None), 0)
     with torch.no_grad():
-        assert w.write(grad) is grad
-        assert writer.mm_into_slot(w, torch.ones(2, 3), torch.ones(3, 2)).sum() == 12
+        assert w.write(_call_for(param), grad) is grad
+        assert writer.mm_into_slot(w, _call_for(param), torch.ones(2, 3), torch.ones(3, 2)).sum() == 12
 
 
 # ---- end to end, 1-rank DDP in this process --------------------------------------

@@ -34,27 +34,7 @@ def results():
     return run_jobs(jobs, world_size=2)
 
 
-# Known wrong gradients, not fixed yet: under DDP with gradients written into the buckets,
-# Mixtral's router and expert weights (every mixture-of-experts parameter, both layers)
-# differ from eager DDP by up to 3e-3 at the third step, the first that writes into the
-# buckets; with DONATE_XLA_BUCKET_VIEW=0 they are equal. Strict: fixing it flips this.
-WRONG_UNDER_BUCKET_WRITES = {"mixtral"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=True, reason="MoE gradients differ from eager DDP once written into buckets"
-            ),
-        )
-        if name in WRONG_UNDER_BUCKET_WRITES
-        else name
-        for name in sorted(MODELS)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_real_model_under_ddp_equals_eager_ddp(results, name):
     if name not in NAMES:
         pytest.skip(f"{MODELS[name].package} is not installed")

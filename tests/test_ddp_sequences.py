@@ -6,7 +6,8 @@ steps with ``zero_grad(set_to_none=True or False)``, ``no_sync``
 accumulation, ``no_sync`` backwards with ``inputs=`` a random subset,
 ``torch.autograd.grad`` of the input, a layer left unused (on a module built
 with ``find_unused_parameters=True``), and, as the last step, a synced
-backward with ``inputs=`` a subset. After every step every parameter and
+backward with ``inputs=`` a subset. Every other sequence runs one compiled
+graph for all four layers (``shared_graph``). After every step every parameter and
 ``.grad`` on every rank must be bitwise equal to eager DDP's (2 ranks; within
 1e-5 on 4 ranks, see tests/test_ddp_world4.py).
 
@@ -75,14 +76,17 @@ def random_program(seed: int, find_unused: bool, length: int = LENGTH) -> list:
 
 def sequence_jobs(world_size: int) -> list:
     # 4 ranks: within 1e-5 (see tests/test_ddp_world4.py for why not bitwise).
-    options = {} if world_size == 2 else {"exact": False, "tolerance": {"rtol": 1e-5, "atol": 1e-7}}
+    base = {} if world_size == 2 else {"exact": False, "tolerance": {"rtol": 1e-5, "atol": 1e-7}}
     jobs = []
     for find_unused in (False, True):
         for index in range(SEQUENCES):
             seed = 1000 * world_size + 100 * find_unused + index
+            # Every other sequence runs one compiled graph for all four layers,
+            # each time with that layer's parameters.
+            options = dict(base, shared_graph=True) if index % 2 else base
             jobs.append(
                 dict(
-                    name=f"seed {seed}",
+                    name=f"seed {seed}" + (" shared graph" if index % 2 else ""),
                     program=random_program(seed, find_unused),
                     ddp_kwargs={"find_unused_parameters": find_unused},
                     options=options,

@@ -32,14 +32,22 @@ monkeypatching (tests/test_ddp_compat.py).
   flags (``_delay_all_reduce_params``, ``_use_python_reducer``).
 - ``tensor_hooks(param)``: whether a tensor hook is registered on a parameter
   (``_backward_hooks``). True when unknown.
-- ``accumulate_grad_node(param)`` / ``engine_will_execute(node)``: whether
-  the backward running now will run the parameter's ``AccumulateGrad`` node,
-  i.e. write ``param.grad`` (``torch._C._will_engine_execute_node`` on the
-  node from the public ``torch.autograd.graph.get_gradient_edge``). False
-  under ``backward(inputs=...)`` without this parameter and under
-  ``torch.autograd.grad``; None when torch cannot tell (the engine refuses to
-  answer for a leaf that ``autograd.grad`` captures, no backward is running,
-  or the API is missing). ``engine_will_accumulate(param)`` is the two in one.
+- ``running_node_inputs()``: the nodes the autograd node the engine runs now
+  sends its gradients to, one per tensor input of its forward
+  (``torch._C._current_autograd_node``, ``next_functions``). A compiled
+  backward is run by its own node, so this says which tensors *this call*'s
+  gradients belong to: dynamo reuses one compiled graph for every module
+  instance it fits (each expert of a mixture of experts, each layer after a
+  graph break), with other parameters each time. None when no node runs (or
+  the API is missing): no gradient is then written into a slot.
+- ``accumulated_variable(node)``: the leaf an ``AccumulateGrad`` node
+  accumulates into (its ``variable``), None for any other node.
+- ``engine_will_execute(node)``: whether the backward running now will run
+  ``node`` (``torch._C._will_engine_execute_node``); for an ``AccumulateGrad``
+  node, whether it writes ``param.grad``. False under ``backward(inputs=...)``
+  without this parameter and under ``torch.autograd.grad``; None when torch
+  cannot tell (the engine refuses to answer for a leaf that ``autograd.grad``
+  captures, no backward is running, or the API is missing).
 """
 from __future__ import annotations
 
@@ -150,16 +158,29 @@ def tensor_hooks(param: torch.Tensor) -> bool:
     return True if hooks is False else bool(hooks)
 
 
-def accumulate_grad_node(param: torch.Tensor):
-    """The parameter's ``AccumulateGrad`` node, or None.
-
-    Holding it keeps it the parameter's accumulator (autograd keeps only a weak
-    reference), so the caller may cache it. Getting it costs about 30 us.
-    """
+def running_node_inputs() -> Optional[tuple]:
+    """The next node of each tensor input of the autograd node running now, or None."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    if current is None:
+        return None
     try:
-        return torch.autograd.graph.get_gradient_edge(param).node
+        node = current()
+        if node is None:
+            return None
+        return tuple(next_node for next_node, _ in node.next_functions)
+    except (RuntimeError, AttributeError, TypeError, ValueError):
+        return None
+
+
+def accumulated_variable(node) -> Optional[torch.Tensor]:
+    """The leaf tensor ``node`` accumulates gradients into, if it is an ``AccumulateGrad``."""
+    if node is None or type(node).__name__ != "AccumulateGrad":
+        return None
+    try:
+        variable = node.variable
     except (RuntimeError, AttributeError):
         return None
+    return variable if isinstance(variable, torch.Tensor) else None
 
 
 def engine_will_execute(node) -> Optional[bool]:
@@ -171,8 +192,3 @@ def engine_will_execute(node) -> Optional[bool]:
         return bool(will_execute(node))
     except RuntimeError:
         return None
-
-
-def engine_will_accumulate(param: torch.Tensor) -> Optional[bool]:
-    """Whether the running backward writes ``param.grad`` (see module docstring)."""
-    return engine_will_execute(accumulate_grad_node(param))

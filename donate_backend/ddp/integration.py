@@ -51,7 +51,8 @@ class DDPGraphInfo:
     """What capture learnt about a graph traced inside a DDP forward."""
 
     binding: "ModuleBinding"
-    param_indices: tuple  # per graph input: index into binding.params, or None
+    param_indices: tuple  # per graph input: index into binding.params when traced, or None
+    edges: tuple  # per graph input: its index among the tensor inputs, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +194,10 @@ def capture(gm, example_inputs) -> Optional[DDPGraphInfo]:
         return None
     binding.reconcile(config.current())
     tensors = plan.placeholder_tensors(gm, example_inputs)
-    return DDPGraphInfo(binding, plan.input_param_indices(tensors, binding.params))
+    kinds = tensors if len(example_inputs) != len(tensors) else example_inputs
+    return DDPGraphInfo(
+        binding, plan.input_param_indices(tensors, binding.params), plan.tensor_edges(kinds)
+    )
 
 
 def prepare(
@@ -238,6 +242,19 @@ def prepare(
                 index,
                 reason,
             )
-    routed = rewrite.rewrite_backward(gm, kept, info.binding) if kept else []
+    edges = [(position, info.edges[position], index) for position, index in kept]
+    if any(edge is None for _, edge, _ in edges):
+        log_once(
+            ("edges", ctx.graph_id),
+            logging.WARNING,
+            "donate_xla: %s: a parameter input is not a tensor input; its gradients take "
+            "DDP's normal path",
+            ctx.name,
+        )
+        return PreparedGraph(gm, 0, 0)
+    tensor_inputs = sum(edge is not None for edge in info.edges)
+    routed = (
+        rewrite.rewrite_backward(gm, edges, info.binding, ctx.name, tensor_inputs) if kept else []
+    )
     nbytes = sum(params[i].numel() * params[i].element_size() for i in routed)
     return PreparedGraph(gm, len(routed), nbytes)

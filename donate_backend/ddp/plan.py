@@ -8,7 +8,9 @@ parameter from that, or from the example input itself when it is real.
 
 aot_autograd's backward graph returns one gradient per forward input, in the
 forward's input order, so the index of a placeholder is also the index of its
-gradient among the backward outputs.
+gradient among the backward outputs. At run time the autograd node of the
+compiled function has one edge per *tensor* input (SymInt inputs have none),
+so a placeholder's edge is its index among the tensor placeholders.
 """
 from __future__ import annotations
 
@@ -34,6 +36,18 @@ def input_param_indices(tensors: Sequence, params: Sequence[torch.Tensor]) -> tu
     """For each graph input, the index of the parameter it is in ``params``, else None."""
     by_id = {id(p): i for i, p in enumerate(params)}
     return tuple(by_id.get(id(t)) if isinstance(t, torch.Tensor) else None for t in tensors)
+
+
+def tensor_edges(example_inputs: Sequence) -> tuple:
+    """For each graph input, its index among the tensor inputs (its autograd edge), else None."""
+    edges, count = [], 0
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            edges.append(count)
+            count += 1
+        else:
+            edges.append(None)
+    return tuple(edges)
 
 
 def gradient_outputs(output_args: Sequence, param_indices: Sequence[Optional[int]]) -> Optional[list]:

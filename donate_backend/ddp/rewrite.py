@@ -1,10 +1,13 @@
 """FX pass: route each parameter gradient of a backward graph through a slot writer.
 
-The backward graph's output for a parameter becomes ``write_grad(writer, g)``,
-called right after ``g`` is produced (the output node was its last use, so the
+The backward graph first looks up where this call's gradients go
+(``call = begin(graph)``: the parameters behind the autograd node running it).
+Its output for a parameter becomes ``write_grad(writer, call, g)``, called
+right after ``g`` is produced (the output node was its last use, so the
 temporary dies as soon as it is copied), and a gradient made by ``aten.mm``
 (through an even number of transposes) is computed by
-``mm_into_slot(writer, a, b)`` instead, which can write straight into the slot.
+``mm_into_slot(writer, call, a, b)`` instead, which can write straight into
+the slot.
 What the writer does at run time, and when it leaves the gradient alone, is
 in ``writer.py``. This module only changes graphs; it is pure apart from
 setting the writer attributes on the ``GraphModule`` it rewrites.
@@ -15,7 +18,7 @@ import warnings
 
 import torch
 
-from .writer import GradWriter, mm_into_slot, write_grad
+from .writer import GradWriter, GraphWrites, begin, mm_into_slot, write_grad
 
 
 _TRANSPOSES = (torch.ops.aten.t.default,)
@@ -47,42 +50,50 @@ def _last_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
     return placeholders[-1] if placeholders else next(iter(graph.nodes))
 
 
-def _anchor(graph: torch.fx.Graph, producer: torch.fx.Node) -> torch.fx.Node:
-    """Insert right after the producer (after the writers, for graph inputs)."""
-    if producer.op != "placeholder":
-        return producer
-    last = _last_placeholder(graph)
-    while last.next.op == "get_attr":
-        last = last.next
-    return last
+def _get_attr(graph: torch.fx.Graph, attr: str) -> torch.fx.Node:
+    with warnings.catch_warnings():
+        # FX warns that a get_attr target is not a module/parameter/buffer;
+        # a plain Python attribute is what we want here.
+        warnings.simplefilter("ignore", UserWarning)
+        return graph.get_attr(attr)
 
 
-def rewrite_backward(gm: torch.fx.GraphModule, targets, binding) -> list:
-    """Route each ``(output position, parameter index)`` gradient through a writer.
+def rewrite_backward(gm: torch.fx.GraphModule, targets, binding, name: str, tensor_inputs: int) -> list:
+    """Route each ``(output position, tensor-input edge, parameter index)`` gradient
+    through a writer.
 
-    Returns the parameter indices that were routed. Mutates ``gm`` in place
+    ``tensor_inputs`` is how many tensor inputs the forward has (the edges of the
+    autograd node that will run this backward). Returns the parameter indices
+    the graph was traced with for the routed gradients. Mutates ``gm`` in place
     (the caller passes its own copy).
     """
     graph = gm.graph
     output_node = graph.output_node()
     outputs = list(output_node.args[0])
+    gm._donate_ddp_graph = GraphWrites(name, tensor_inputs)
+    # A header right after the placeholders, so that it is defined before every
+    # gradient's producer (see ``_compute_into_slot``): the per-call lookup of
+    # where each gradient goes, then one writer per routed gradient.
+    with graph.inserting_after(_last_placeholder(graph)):
+        graph_node = _get_attr(graph, "_donate_ddp_graph")
+    with graph.inserting_after(graph_node):
+        call_node = graph.call_function(begin, (graph_node,))
+    header_end = call_node
     routed, out_variants = [], 0
-    for position, param_index in targets:
+    for position, edge, param_index in targets:
         grad_node = outputs[position]
         attr = f"_donate_ddp_writer_{position}"
-        setattr(gm, attr, GradWriter(binding, param_index))
-        # The writer is fetched at the top of the graph, so that it is defined
-        # before the gradient's producer as well (see ``_compute_into_slot``).
-        with graph.inserting_after(_last_placeholder(graph)), warnings.catch_warnings():
-            # FX warns that a get_attr target is not a module/parameter/buffer;
-            # a plain Python attribute is what we want here.
-            warnings.simplefilter("ignore", UserWarning)
-            writer_node = graph.get_attr(attr)
-        with graph.inserting_after(_anchor(graph, grad_node)):
-            outputs[position] = graph.call_function(write_grad, (writer_node, grad_node))
+        setattr(gm, attr, GradWriter(binding, edge))
+        with graph.inserting_after(header_end):
+            writer_node = header_end = _get_attr(graph, attr)
+        anchor = header_end if grad_node.op == "placeholder" else grad_node
+        with graph.inserting_after(anchor):
+            outputs[position] = graph.call_function(write_grad, (writer_node, call_node, grad_node))
+        if anchor is header_end:
+            header_end = outputs[position]
         producer = _mm_producer(grad_node, {output_node, outputs[position]})
         if producer is not None:
-            _compute_into_slot(graph, producer, writer_node)
+            _compute_into_slot(graph, producer, writer_node, call_node)
             out_variants += 1
         routed.append(param_index)
     output_node.args = (tuple(outputs),) + tuple(output_node.args[1:])
@@ -92,11 +103,11 @@ def rewrite_backward(gm: torch.fx.GraphModule, targets, binding) -> list:
     return routed
 
 
-def _compute_into_slot(graph: torch.fx.Graph, mm_node: torch.fx.Node, writer_node) -> None:
-    """Replace ``mm(a, b)`` by ``mm_into_slot(writer, a, b)`` (writer defined first)."""
+def _compute_into_slot(graph: torch.fx.Graph, mm_node: torch.fx.Node, writer_node, call_node) -> None:
+    """Replace ``mm(a, b)`` by ``mm_into_slot(writer, call, a, b)`` (both defined first)."""
     a, b = mm_node.args
     with graph.inserting_after(mm_node):
-        replacement = graph.call_function(mm_into_slot, (writer_node, a, b))
+        replacement = graph.call_function(mm_into_slot, (writer_node, call_node, a, b))
     replacement.meta = dict(mm_node.meta)
     mm_node.replace_all_uses_with(replacement)
     graph.erase_node(mm_node)

@@ -73,6 +73,11 @@ class DDPBucketState:
                 else:
                     self._slots.pop(index, None)
 
+    def index_of(self, tensor) -> Optional[int]:
+        """The index of ``tensor`` among this module's parameters, or None."""
+        index = self._index_by_id.get(id(tensor))
+        return index if index is not None and self.params[index] is tensor else None
+
     def slot(self, index: int) -> Optional[torch.Tensor]:
         """The current slot of parameter ``index``, or None (not learned, or stale)."""
         with self._lock:

@@ -1,10 +1,22 @@
 """Run time of the bucket rewrite: write one parameter's gradient into its slot, if this call may.
 
-The rewritten backward graph (``rewrite.py``) calls ``write_grad(writer, g)``
-for each parameter gradient and ``mm_into_slot(writer, a, b)`` for weight
-gradients made by a matrix multiply. Whether a gradient goes into DDP's bucket
-is decided on every call, by ``GradWriter.slot_for_this_call``. It does only
-when all of these hold:
+The rewritten backward graph (``rewrite.py``) first calls ``begin(graph)``,
+then ``write_grad(writer, call, g)`` for each parameter gradient and
+``mm_into_slot(writer, call, a, b)`` for weight gradients made by a matrix
+multiply.
+
+**Which parameter.** A compiled graph is not tied to the parameters it was
+traced with: dynamo reuses it for every module instance it fits (each expert
+of a mixture of experts, each layer whose forward is its own frame), passing
+other parameters as inputs. So ``begin`` asks the autograd engine which node
+runs this backward and where that node sends each input's gradient; the
+gradient of forward input *i* belongs to the leaf behind the ``AccumulateGrad``
+node at that input's edge, whichever DDP parameter that is this time. No
+``AccumulateGrad`` there (the input is not a leaf, or needs no gradient), or
+no answer from the engine: the plain path.
+
+**Whether to write.** A gradient goes into DDP's bucket only when all of
+these hold (``GradWriter.slot_for_this_call``):
 
 - the switch is on and grad mode is off (under ``create_graph`` the gradient
   must stay differentiable);
@@ -25,74 +37,128 @@ nothing; DDP's reducer hook still fires and finds ``.grad`` in its bucket.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from .. import config
+from ..errors import DonateXlaError
 from . import compat
 
 
-class GradWriter:
-    """Writes one parameter's gradient into its bucket slot, when this call may."""
+log = logging.getLogger("donate_xla")
 
-    def __init__(self, binding, param_index: int):
-        self.binding = binding  # integration.ModuleBinding
-        self.param_index = param_index
-        self._written_by_out = False  # set by mm_into_slot, consumed by write
-        self._accumulator = None  # the parameter's AccumulateGrad node, once looked up
+
+class GraphWrites:
+    """What ``begin`` needs to know about one rewritten backward graph."""
+
+    def __init__(self, name: str, tensor_inputs: int):
+        self.name = name
+        self.tensor_inputs = tensor_inputs  # tensor inputs of the forward: edges of its node
+        self._warned = False
 
     def __repr__(self) -> str:
-        return f"GradWriter(param={self.param_index})"
+        return f"GraphWrites({self.name!r}, tensor_inputs={self.tensor_inputs})"
 
-    def slot_for_this_call(self, shape, dtype, device) -> Optional[torch.Tensor]:
-        """The slot to write this gradient into, or None for the plain path."""
-        if not config.current().bucket_view or torch.is_grad_enabled():
+    def mismatch(self, edges: int) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "donate_xla: %s: the autograd node running this backward has %d inputs, "
+                "not the %d tensor inputs of its forward; its gradients take DDP's normal path",
+                self.name,
+                edges,
+                self.tensor_inputs,
+            )
+
+
+class BackwardCall:
+    """One run of a rewritten backward: where each input's gradient goes this time."""
+
+    __slots__ = ("inputs", "out_slots")
+
+    def __init__(self, inputs: Optional[tuple]):
+        self.inputs = inputs  # the next node of each tensor input, or None: write nothing
+        self.out_slots: dict = {}  # writer -> (parameter index, slot) written by mm out=
+
+
+def begin(graph: GraphWrites) -> BackwardCall:
+    """Graph-level entry, first node of a rewritten backward."""
+    inputs = compat.running_node_inputs()
+    if inputs is not None and len(inputs) != graph.tensor_inputs:
+        graph.mismatch(len(inputs))
+        inputs = None
+    return BackwardCall(inputs)
+
+
+class GradWriter:
+    """Writes the gradient of one forward input into its parameter's slot, when this call may."""
+
+    def __init__(self, binding, edge: int):
+        self.binding = binding  # integration.ModuleBinding
+        self.edge = edge  # the input's index among the forward's tensor inputs
+
+    def __repr__(self) -> str:
+        return f"GradWriter(edge={self.edge})"
+
+    def slot_for_this_call(self, call: BackwardCall, shape, dtype, device) -> Optional[tuple]:
+        """``(parameter index, slot)`` to write this gradient into, or None for the plain path."""
+        if call.inputs is None or not config.current().bucket_view or torch.is_grad_enabled():
             return None
         state = self.binding.state
         if state is None:
             return None
-        param = state.params[self.param_index]
-        if compat.tensor_hooks(param):
+        accumulator = call.inputs[self.edge]
+        index = state.index_of(compat.accumulated_variable(accumulator))
+        if index is None:
             return None
-        slot = state.slot(self.param_index)
+        if compat.tensor_hooks(state.params[index]):
+            return None
+        slot = state.slot(index)
         if slot is None or slot.shape != shape or slot.dtype != dtype or slot.device != device:
             return None
-        if self._accumulator is None:
-            self._accumulator = compat.accumulate_grad_node(param)
-        if compat.engine_will_execute(self._accumulator) is not True:
+        if compat.engine_will_execute(accumulator) is not True:
             return None
-        return slot
+        return index, slot
 
-    def fresh_slot(self, shape, dtype, device) -> Optional[torch.Tensor]:
-        """The slot, when the gradient may be computed straight into it (out=)."""
-        slot = self.slot_for_this_call(shape, dtype, device)
-        if slot is None or self.binding.state.params[self.param_index].grad is not None:
+    def fresh_slot(self, call: BackwardCall, shape, dtype, device) -> Optional[tuple]:
+        """``(parameter index, slot)`` when the gradient may be computed straight into it (out=)."""
+        target = self.slot_for_this_call(call, shape, dtype, device)
+        if target is None:
+            return None
+        index, slot = target
+        if self.binding.state.params[index].grad is not None or not slot.is_contiguous():
             return None  # accumulation: compute a temporary, then ``write``
-        return slot if slot.is_contiguous() else None
+        return target
 
-    def wrote_by_out(self, slot) -> None:
-        self.binding.state.params[self.param_index].grad = slot
-        self._written_by_out = True
+    def wrote_by_out(self, call: BackwardCall, index: int, slot) -> None:
+        self.binding.state.params[index].grad = slot
+        call.out_slots[self] = (index, slot)
 
-    def write(self, grad):
+    def write(self, call: BackwardCall, grad):
         state = self.binding.state
-        if self._written_by_out:
-            self._written_by_out = False
-            slot = None if state is None else state.slot(self.param_index)
-            if slot is not None and grad is not None and _is_view_of(grad, slot):
-                state.counts.slot_writes += 1
-                state.counts.out_writes += 1
-                return None
-            # Only a backward aborted between ``mm_into_slot`` and here leaves the
-            # flag set with another gradient: ``param.grad`` then holds what that
-            # run wrote, and this gradient is accumulated onto it as eager would.
+        written = call.out_slots.pop(self, None)
+        if written is not None:
+            # ``mm_into_slot`` computed this gradient into the slot and made it
+            # ``.grad``; the rewrite only routes a product that reaches the output
+            # through transposes back to the same layout, so it is the slot.
+            if grad is None or not _is_view_of(grad, written[1]):
+                raise DonateXlaError(
+                    f"donate_xla internal error: a gradient computed into DDP's bucket slot "
+                    f"of parameter #{written[0]} is not that slot at the graph's output; "
+                    f"set DONATE_XLA_BUCKET_VIEW=0 and report this"
+                )
+            state.counts.slot_writes += 1
+            state.counts.out_writes += 1
+            return None
         if grad is None or grad.layout != torch.strided:
             return grad
-        slot = self.slot_for_this_call(grad.shape, grad.dtype, grad.device)
-        if slot is None:
+        target = self.slot_for_this_call(call, grad.shape, grad.dtype, grad.device)
+        if target is None:
             return grad
-        param = state.params[self.param_index]
+        index, slot = target
+        param = state.params[index]
         current = param.grad
         if current is None:
             slot.copy_(grad)
@@ -122,16 +188,17 @@ def _is_view_of(tensor: torch.Tensor, slot: torch.Tensor) -> bool:
     )
 
 
-def write_grad(writer: GradWriter, grad):
-    """Graph-level entry: the call_function target the pass inserts."""
-    return writer.write(grad)
+def write_grad(writer: GradWriter, call: BackwardCall, grad):
+    """Graph-level entry: the call_function target the pass puts on each parameter output."""
+    return writer.write(call, grad)
 
 
-def mm_into_slot(writer: GradWriter, a, b):
+def mm_into_slot(writer: GradWriter, call: BackwardCall, a, b):
     """``aten.mm(a, b)``, computed straight into the slot (``out=``) when this call may."""
-    slot = writer.fresh_slot((a.shape[0], b.shape[1]), a.dtype, a.device)
-    if slot is None:
+    target = writer.fresh_slot(call, (a.shape[0], b.shape[1]), a.dtype, a.device)
+    if target is None:
         return torch.ops.aten.mm.default(a, b)
+    index, slot = target
     torch.ops.aten.mm.out(a, b, out=slot)
-    writer.wrote_by_out(slot)
+    writer.wrote_by_out(call, index, slot)
     return slot
