@@ -728,6 +728,57 @@ def test_stitched_and_unstitched_graphs_in_one_program_keep_their_values(stitche
     assert_close_tree(got, expected, "losses, parameters, momentum")
 
 
+@pytest.mark.parametrize("recorded_by", ["write_back", "output"])
+def test_stitched_graph_that_leaves_a_recorded_input_unchanged_keeps_it(recorded_by):
+    """``a.copy_(b); b.copy_(a)`` updates ``b`` with its own value. An executable call
+    writes ``b`` back (or hands it to the program as an output) and records it as
+    holding its buffer alone; a stitched call of a graph that leaves ``b`` unchanged
+    has no write-back for it, yet flagged ``b``'s buffer for donation, so the sync
+    donated it and the next read of ``b`` failed with "Check failed:
+    handle->HasValue()" (fuzz seed 92043, ``--mixed``). A stitched graph now donates
+    only inputs it writes back."""
+    import contextlib
+
+    from donate_backend import config
+
+    def run(device, compile_fn, switched, sync):
+        torch.manual_seed(0)
+        a = torch.randn(6).to(device)
+
+        def make(x):
+            return x * 2
+
+        def swap(x, a, b):
+            with torch.no_grad():
+                a.copy_(b)
+                b.copy_(a)
+                a.mul_(x.sum())
+            return x + 1
+
+        make, swap = compile_fn(make), compile_fn(swap)
+        if recorded_by == "write_back":
+            b = torch.randn(6).to(device)
+            with switched(False):
+                swap(torch.ones(4).to(device), a, b)
+        else:
+            with switched(False):
+                b = make(torch.randn(6).to(device))
+        seen = []
+        for step in range(3):
+            with switched(True):
+                out = swap(torch.full((4,), 0.5 + step).to(device), a, b)
+            sync()
+            seen += [t.to("cpu", copy=True) for t in (out, a, b)]  # a copy on the CPU too
+        return seen
+
+    got = run(
+        torch_xla.device(), lambda f: torch.compile(f, backend="donate_xla"),
+        lambda on: config.patch(stitch=on), torch_xla.sync,
+    )
+    expected = run(torch.device("cpu"), lambda f: f, lambda on: contextlib.nullcontext(), lambda: None)
+    assert_close_tree(got, expected, "outputs, a and b after every call")
+
+
 @STITCHED
 def test_mixed_precision_training_with_layer_and_batch_norm(stitched):
     """``torch.autocast`` to bfloat16 around a model with BatchNorm and LayerNorm (which

@@ -29,6 +29,9 @@ Python source, the way users write training code:
   eager optimizer's weight decay), and ``torch_xla.sync()``; the backups are
   compared like the state.
 
+A third of the functions are split by ``torch._dynamo.graph_break()`` into two or
+three graphs (own random stream), so intermediates and a backward cross graphs.
+
 Half the calls of a function made under ``no_grad`` run under
 ``torch.inference_mode()`` (evaluation), so its outputs are inference tensors.
 
@@ -342,6 +345,19 @@ def _between_statements(rng: random.Random, decay_rng: Optional[random.Random] =
     return "\n".join(lines)
 
 
+def _insert_graph_breaks(lines: list, rng: random.Random) -> None:
+    """Split a third of the functions into two or three dynamo graphs.
+
+    A ``torch._dynamo.graph_break()`` goes before a random top-level statement
+    (never the first), so values, views and ``requires_grad`` intermediates flow
+    from one compiled graph into the next, and a backward crosses graphs."""
+    if rng.random() >= 0.3:
+        return
+    starts = [i for i, line in enumerate(lines) if i > 0 and line.startswith("    ") and line[4] != " "]
+    for i in sorted(rng.sample(starts, k=min(len(starts), rng.randint(1, 2))), reverse=True):
+        lines.insert(i, "    torch._dynamo.graph_break()")
+
+
 def generate(seed: int) -> Scenario:
     rng = random.Random(seed)
     tied = rng.random() < 0.15
@@ -362,6 +378,7 @@ def generate(seed: int) -> Scenario:
     norms = norm_rng.random() < 0.5
     fallback_rng = random.Random(seed * 61 + 13)
     fallbacks = fallback_rng.random() < 0.3
+    break_rng = random.Random(seed * 89 + 17)  # own stream: the programs stay those of the seed
     functions, no_grad_functions = [], set()
     for f in range(rng.randint(1, 3)):
         body = _Body(rng, args, len(optimizers), norm_rng if norms else None, fallback_rng if fallbacks else None)
@@ -377,6 +394,7 @@ def generate(seed: int) -> Scenario:
             elif rng.random() < 0.5:
                 body.no_grad_block()
         body.returns()
+        _insert_graph_breaks(body.lines, break_rng)
         if inference:
             body.lines = ["    with torch.no_grad():"] + ["    " + line for line in body.lines]
             no_grad_functions.add(f)

@@ -795,7 +795,13 @@ class StitchedExecutable:
         self._last_result: Optional[torch.Tensor] = None  # one result of the previous call
         self.calls_started = 0  # calls that started the pending lazy graph
         self._reordered: dict = {}  # operand order -> computation taking them so (donor_pairing_order)
-        self._donors = tuple(donors)  # inputs whose buffers may be donated (parameters, state)
+        # Inputs whose buffers may be donated (parameters, state), if the graph writes
+        # them back: a stitched graph is lowered without forced write-backs, so an
+        # input whose traced value comes out unchanged (``a.copy_(b); b.copy_(a)``
+        # leaves ``b`` as it was) has no new value, and a donated buffer would leave
+        # it holding nothing ("Check failed: handle->HasValue()" at its next read).
+        written = {i for i, _ in lowered.writebacks}
+        self._donors = tuple(i for i in donors if i in written)
         self._version_bumped = version_bumped  # compat.aot_version_bumped_inputs(); None: unknown
         self._exclusive = frozenset(_exclusive_results(lowered, outputs_too=False))
         self.calls_donating = 0  # calls that flagged buffers for donation
