@@ -31,7 +31,8 @@ every layer, with each layer's parameters), ``bucket_cap_mb``, ``param_hook``, `
 ``optimizer_in_backward`` (an SGD update in a post-accumulate-grad hook),
 ``join`` (``{"divide_by_initial_world_size": bool, "from_step": n}``: rank r
 runs r fewer steps, inside ``ddp.join(...)`` from step n), ``real_model`` (a
-name in tests/real_models.py), ``exact`` (False: compare with ``tolerance``,
+name in tests/real_models.py), ``compile_inner`` (compile the module inside DDP,
+``DDP(model.compile())``, instead of the DDP module), ``exact`` (False: compare with ``tolerance``,
 default rtol 1e-5, atol 1e-6), ``try_comm_hook_after``.
 """
 from __future__ import annotations
@@ -163,7 +164,11 @@ def _make_ddp(task, options: dict, ddp_kwargs: dict, compiled: bool):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         ddp.register_comm_hook(None, allreduce_hook)
-    runner = torch.compile(ddp, backend="donate_xla") if compiled else ddp
+    if compiled and options.get("compile_inner"):
+        model.compile(backend="donate_xla")  # DDP(compiled model): DDP's forward runs eagerly
+        runner = ddp
+    else:
+        runner = torch.compile(ddp, backend="donate_xla") if compiled else ddp
     return model, ddp, runner
 
 
