@@ -32,7 +32,8 @@ every layer, with each layer's parameters), ``bucket_cap_mb``, ``param_hook``, `
 ``join`` (``{"divide_by_initial_world_size": bool, "from_step": n}``: rank r
 runs r fewer steps, inside ``ddp.join(...)`` from step n), ``real_model`` (a
 name in tests/real_models.py), ``compile_inner`` (compile the module inside DDP,
-``DDP(model.compile())``, instead of the DDP module), ``exact`` (False: compare with ``tolerance``,
+``DDP(model.compile())``, instead of the DDP module), ``inline_modules`` (False:
+dynamo keeps parameters as graph attributes), ``exact`` (False: compare with ``tolerance``,
 default rtol 1e-5, atol 1e-6), ``try_comm_hook_after``.
 """
 from __future__ import annotations
@@ -360,7 +361,10 @@ def _run_job(rank: int, job: dict) -> dict:
     torch._dynamo.reset()
     logger.addHandler(capture)
     try:
-        with config.patch(**job.get("settings", {})):
+        inline = job.get("options", {}).get("inline_modules", True)
+        with config.patch(**job.get("settings", {})), torch._dynamo.config.patch(
+            inline_inbuilt_nn_modules=inline
+        ):
             compiled, seen, observed = _train(True, rank, job)
     finally:
         logger.removeHandler(capture)

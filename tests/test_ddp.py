@@ -116,6 +116,17 @@ def test_one_graph_run_for_several_layers_writes_each_layers_slots(bucket_cap_mb
         assert len(result["bucket_grads"]) < 4, result["bucket_grads"]  # fewer graphs than layers
 
 
+def test_parameters_kept_as_graph_attributes_are_written_into_buckets():
+    # With inline_inbuilt_nn_modules=False dynamo leaves parameters as attributes of
+    # the graph module and aot_autograd passes them before the placeholders; the
+    # backward's outputs then did not match the placeholders and every gradient took
+    # DDP's normal path, with a warning blaming merged inputs.
+    results = run_job(dict(name="attributes", program=train(3), options={"inline_modules": False}))
+    assert_equal_and_aliased(results, steady_writes=8, steady_out=4)
+    for result in results:
+        assert result["logs"] == []
+
+
 def test_gradient_hook_keeps_that_parameter_on_ddp_path():
     results = run_job(dict(name="param_hook", program=train(3), options={"param_hook": True}))
     assert_equal_on_every_rank(results)  # layers[0].weight doubles its gradient

@@ -195,6 +195,10 @@ def capture(gm, example_inputs) -> Optional[DDPGraphInfo]:
     binding.reconcile(config.current())
     tensors = plan.placeholder_tensors(gm, example_inputs)
     kinds = tensors if len(example_inputs) != len(tensors) else example_inputs
+    # aot_autograd's inputs: the graph's own parameters and buffers (there when dynamo
+    # does not inline nn modules), then the placeholders
+    attributes = plan.attribute_tensors(gm)
+    tensors, kinds = attributes + tensors, attributes + list(kinds)
     return DDPGraphInfo(
         binding, plan.input_param_indices(tensors, binding.params), plan.tensor_edges(kinds)
     )

@@ -1,6 +1,8 @@
 """Which graph inputs are parameters of the DDP module (pure functions).
 
-Dynamo lifts every parameter a graph uses into a placeholder. When DDPOptimizer
+Dynamo lifts every parameter a graph uses into a placeholder (unless it does not
+inline nn modules: the parameters are then attributes of the graph module, which
+aot_autograd passes before the placeholders). When DDPOptimizer
 splits the graph at bucket boundaries, the example inputs it hands the backend
 are fake tensors, but each parameter placeholder still carries the dynamo
 ``GraphArg`` whose ``example`` is the real ``nn.Parameter``. We identify the
@@ -30,6 +32,16 @@ def placeholder_tensors(gm: torch.fx.GraphModule, example_inputs: Sequence) -> l
             example = example_inputs[position]
         tensors.append(example)
     return tensors
+
+
+def attribute_tensors(gm: torch.fx.GraphModule) -> list:
+    """The graph module's parameters, then its buffers, as aot_autograd puts them
+    before the placeholders among its inputs. Dynamo leaves parameters as module
+    attributes when it does not inline nn modules
+    (``torch._dynamo.config.inline_inbuilt_nn_modules=False``); inlined, it has none."""
+    return [p for _, p in gm.named_parameters(remove_duplicate=False)] + [
+        b for _, b in gm.named_buffers(remove_duplicate=False)
+    ]
 
 
 def input_param_indices(tensors: Sequence, params: Sequence[torch.Tensor]) -> tuple:
