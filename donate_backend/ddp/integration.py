@@ -223,11 +223,13 @@ def prepare(
         return PreparedGraph(gm, 0, 0)
     output_node = gm.graph.output_node()
     targets = plan.gradient_outputs(output_node.args[0], info.param_indices)
+    if targets is not None and any(info.edges[position] is None for position, _ in targets):
+        targets = None  # a parameter where the forward has no tensor input
     if targets is None:
         log_once(
             ("outputs", ctx.graph_id),
             logging.WARNING,
-            "donate_xla: %s: backward outputs do not match the forward inputs "
+            "donate_xla: %s: backward outputs do not match the forward's tensor inputs "
             "(aot_autograd merged inputs); its gradients take DDP's normal path",
             ctx.name,
         )
@@ -247,15 +249,6 @@ def prepare(
                 reason,
             )
     edges = [(position, info.edges[position], index) for position, index in kept]
-    if any(edge is None for _, edge, _ in edges):
-        log_once(
-            ("edges", ctx.graph_id),
-            logging.WARNING,
-            "donate_xla: %s: a parameter input is not a tensor input; its gradients take "
-            "DDP's normal path",
-            ctx.name,
-        )
-        return PreparedGraph(gm, 0, 0)
     tensor_inputs = sum(edge is not None for edge in info.edges)
     routed = (
         rewrite.rewrite_backward(gm, edges, info.binding, ctx.name, tensor_inputs) if kept else []
