@@ -19,6 +19,7 @@ import donate_backend
 from donate_backend import config
 from donate_backend.ddp import compat, eligibility, integration, writer
 from donate_backend.ddp.state import WriteCounts
+from donate_backend.errors import DonateXlaError
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
@@ -259,6 +260,24 @@ def test_writer_takes_the_plain_path_unless_the_engine_says_yes(monkeypatch):
         assert param.grad is None and slot.sum() == 0
         assert w.write(_call_for(param), grad) is None
     assert param.grad is slot and slot.sum() == 4
+
+
+def test_writer_refuses_a_gradient_that_is_not_the_slot_it_computed(monkeypatch):
+    """``mm_into_slot`` computes a gradient into its slot; the rewrite only routes a
+    product that reaches the output as that slot. Anything else at the output is an
+    internal error, named with the graph and the parameter, never a silent write."""
+    param = torch.nn.Parameter(torch.zeros(2, 2))
+    slot = torch.zeros(2, 2)
+    w = writer.GradWriter(types.SimpleNamespace(state=_FakeState(param, slot)), 0)
+    monkeypatch.setattr(compat, "engine_will_execute", lambda node: True)
+    call = writer.BackwardCall(_call_for(param).inputs, "graph 3 backward")
+    with torch.no_grad():
+        computed = writer.mm_into_slot(w, call, torch.ones(2, 3), torch.ones(3, 2))
+        assert computed is slot and param.grad is slot and slot.sum() == 12
+        with pytest.raises(DonateXlaError, match=r"graph 3 backward.*parameter #0.*DONATE_XLA_BUCKET_VIEW=0"):
+            w.write(call, torch.ones(2, 2))
+        assert w.write(call, torch.ones(2, 2)) is None  # a later gradient is added into the slot
+    assert slot.sum() == 16
 
 
 def test_writer_takes_the_plain_path_outside_bucket_mode():

@@ -76,9 +76,10 @@ class GraphWrites:
 class BackwardCall:
     """One run of a rewritten backward: where each input's gradient goes this time."""
 
-    __slots__ = ("inputs", "out_slots")
+    __slots__ = ("graph_name", "inputs", "out_slots")
 
-    def __init__(self, inputs: Optional[tuple]):
+    def __init__(self, inputs: Optional[tuple], graph_name: str = "a DDP backward"):
+        self.graph_name = graph_name
         self.inputs = inputs  # the next node of each tensor input, or None: write nothing
         self.out_slots: dict = {}  # writer -> (parameter index, slot) written by mm out=
 
@@ -89,7 +90,7 @@ def begin(graph: GraphWrites) -> BackwardCall:
     if inputs is not None and len(inputs) != graph.tensor_inputs:
         graph.mismatch(len(inputs))
         inputs = None
-    return BackwardCall(inputs)
+    return BackwardCall(inputs, graph.name)
 
 
 class GradWriter:
@@ -145,9 +146,10 @@ class GradWriter:
             # through transposes back to the same layout, so it is the slot.
             if grad is None or not _is_view_of(grad, written[1]):
                 raise DonateXlaError(
-                    f"donate_xla internal error: a gradient computed into DDP's bucket slot "
-                    f"of parameter #{written[0]} is not that slot at the graph's output; "
-                    f"set DONATE_XLA_BUCKET_VIEW=0 and report this"
+                    f"donate_xla internal error in {call.graph_name}: the gradient of DDP "
+                    f"parameter #{written[0]} was computed into its bucket slot, but the graph "
+                    f"returns another tensor for it; set DONATE_XLA_BUCKET_VIEW=0 to train "
+                    f"without bucket writes, and please report this"
                 )
             state.counts.slot_writes += 1
             state.counts.out_writes += 1
