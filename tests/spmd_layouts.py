@@ -253,6 +253,71 @@ def pending_results_check() -> None:
     }))
 
 
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def shared_graph_check() -> None:
+    """Four layers of one class, each its own frame (a graph break after each), so
+    dynamo runs one compiled graph for all of them; their weights are sharded in
+    turn on the output and on the input dimension (column- and row-parallel).
+    3 SGD-momentum steps eagerly and with the layers compiled: losses, parameters,
+    and each gradient's sharding right after the backward."""
+    mesh = mesh_for("dp")
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    start = nn.ModuleList(_Layer() for _ in range(4))
+
+    def run(compiled: bool) -> dict:
+        layers = nn.ModuleList(_Layer() for _ in range(4))
+        layers.load_state_dict(start.state_dict())
+        layers.to(device)
+        for i, layer in enumerate(layers):
+            xs.mark_sharding(layer.lin.weight, mesh, ("data", None) if i % 2 == 0 else (None, "data"))
+            if compiled:
+                layer.compile(backend="donate_xla")
+        optimizer = torch.optim.SGD(layers.parameters(), lr=0.05, momentum=0.9)
+        losses, grad_specs = [], []
+        for step in range(3):
+            x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(step)).to(device)
+            xs.mark_sharding(x, mesh, ("data", None))
+            h = x.requires_grad_()  # the first layer's input as the others': one graph for all
+            for layer in layers:
+                h = layer(h)
+                torch._dynamo.graph_break()
+            loss = h.square().mean()
+            loss.backward()
+            torch_xla.sync()
+            grad_specs.append(torch_xla._XLAC._get_xla_sharding_specs([p.grad for p in layers.parameters()]))
+            optimizer.step()
+            optimizer.zero_grad()
+            torch_xla.sync()
+            losses.append(loss.item())
+        params = list(layers.parameters())
+        return {
+            "losses": losses,
+            "params": [p.detach().cpu().flatten().tolist() for p in params],
+            "param_specs": torch_xla._XLAC._get_xla_sharding_specs(params),
+            "grad_specs": grad_specs,
+        }
+
+    eager = run(False)
+    compiled = run(True)
+    records = [r for r in donate_backend.reports() if r.path == "xla"]
+    print(json.dumps({
+        "eager": eager,
+        "donate_xla": compiled,
+        "forward_graphs": len({r.graph_id for r in records if r.kind == "forward"}),
+        "forward_variants": sum(r.kind == "forward" for r in records),
+        "backward_variants": sum(r.kind == "backward" for r in records),
+    }))
+
+
 def real_model_check(name: str, compile_how: str) -> None:
     """A real model (tests/real_models.py) FSDP-style on the mesh: every parameter whose
     first dimension the devices divide is sharded on it, the batch (4 sequences) on the
@@ -322,6 +387,8 @@ if __name__ == "__main__":
         rng_check()
     elif sys.argv[1] == "pending":
         pending_results_check()
+    elif sys.argv[1] == "shared":
+        shared_graph_check()
     elif sys.argv[1] == "real":
         real_model_check(*sys.argv[2:])
     else:

@@ -473,3 +473,46 @@ def test_with_torch_xla_param_aliasing_off_graphs_run_without_donating():
     out = subprocess.run([sys.executable, "-c", PARAM_ALIASING_OFF], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def _leaves_seen_in_a_backward(graph_id: int):
+    """``spmd.gradient_leaves`` asked from inside the backward of a function of
+    (parameter, int, non-leaf) whose forward inputs were remembered for ``graph_id``."""
+    from donate_backend.xla import spmd
+
+    device = torch_xla.device()
+    p = torch.nn.Parameter(torch.ones(2, 3).to(device))
+    x = torch.ones(2, 3, device=device, requires_grad=True) * 2
+    spmd.remember_forward_inputs(graph_id, [p, 3, x], {})
+    seen = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, n, b):
+            return a * n + b
+
+        @staticmethod
+        def backward(ctx, g):
+            seen["leaves"] = spmd.gradient_leaves(graph_id, 3)
+            seen["wrong_count"] = spmd.gradient_leaves(graph_id, 2)
+            return g, None, g
+
+    Probe.apply(p, 3, x).sum().backward()
+    return p, seen
+
+
+def test_gradient_leaves_name_the_parameter_of_this_backward_call():
+    p, seen = _leaves_seen_in_a_backward(-101)
+    assert seen["leaves"][0] is p and seen["leaves"][1:] == (None, None)
+    assert seen["wrong_count"] is None  # not the remembered forward: unknown
+
+
+def test_gradient_leaves_without_the_autograd_node_api_are_unknown(monkeypatch):
+    """Without ``torch._C._current_autograd_node`` the backward's gradients keep the
+    shardings of the forward variant lowered last (the behaviour before leaves)."""
+    from donate_backend.xla import spmd
+
+    monkeypatch.delattr(torch._C, "_current_autograd_node")
+    _, seen = _leaves_seen_in_a_backward(-102)
+    assert seen["leaves"] is None
+    assert spmd.gradient_leaves(-103, 1) is None  # nothing remembered

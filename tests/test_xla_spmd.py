@@ -105,6 +105,24 @@ def test_checks_wait_for_sharded_results_still_being_computed():
     assert result["max_abs_diff"] < 1e-5
 
 
+def test_one_graph_for_differently_sharded_layers_gives_each_gradient_its_layers_sharding():
+    """dynamo runs one compiled graph for four layers, two column-parallel and two
+    row-parallel. Each call's weight gradient takes the sharding of the weight it
+    belongs to (the autograd node running the backward names it), not that of the
+    layer the backward was first compiled for; values equal eager SPMD."""
+    result = run_layout("shared")
+    eager, compiled = result["eager"], result["donate_xla"]
+    assert compiled["losses"] == pytest.approx(eager["losses"], **TOL)
+    assert compiled["losses"][0] != compiled["losses"][-1]
+    assert _flat(compiled["params"]) == pytest.approx(_flat(eager["params"]), **TOL)
+    assert result["forward_graphs"] == 1
+    weights = compiled["param_specs"][0::2]
+    assert weights[0] != weights[1] and weights[0].startswith("{devices=")
+    for step_specs in compiled["grad_specs"]:
+        assert step_specs[0::2] == weights  # every weight gradient sharded like its weight
+    assert result["backward_variants"] <= 4  # 12 backward calls: variants are reused
+
+
 REAL_CASES = [("gpt2", "step"), ("llama", "model"), ("t5", "step")]
 
 

@@ -32,16 +32,9 @@ monkeypatching (tests/test_ddp_compat.py).
   flags (``_delay_all_reduce_params``, ``_use_python_reducer``).
 - ``tensor_hooks(param)``: whether a tensor hook is registered on a parameter
   (``_backward_hooks``). True when unknown.
-- ``running_node_inputs()``: the nodes the autograd node the engine runs now
-  sends its gradients to, one per tensor input of its forward
-  (``torch._C._current_autograd_node``, ``next_functions``). A compiled
-  backward is run by its own node, so this says which tensors *this call*'s
-  gradients belong to: dynamo reuses one compiled graph for every module
-  instance it fits (each expert of a mixture of experts, each layer after a
-  graph break), with other parameters each time. None when no node runs (or
-  the API is missing): no gradient is then written into a slot.
-- ``accumulated_variable(node)``: the leaf an ``AccumulateGrad`` node
-  accumulates into (its ``variable``), None for any other node.
+- ``running_node_inputs()`` / ``accumulated_variable(node)``: which tensors
+  this backward call's gradients belong to, from ``donate_backend.autograd_compat``
+  (re-exported here). None when unknown: no gradient is then written into a slot.
 - ``engine_will_execute(node)``: whether the backward running now will run
   ``node`` (``torch._C._will_engine_execute_node``); for an ``AccumulateGrad``
   node, whether it writes ``param.grad``. False under ``backward(inputs=...)``
@@ -54,6 +47,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+
+from ..autograd_compat import accumulated_variable, running_node_inputs  # noqa: F401 (ddp's guards in one place)
 
 
 def active_ddp_module():
@@ -156,31 +151,6 @@ def reducer_mode_reason(ddp_module) -> Optional[str]:
 def tensor_hooks(param: torch.Tensor) -> bool:
     hooks = getattr(param, "_backward_hooks", False)
     return True if hooks is False else bool(hooks)
-
-
-def running_node_inputs() -> Optional[tuple]:
-    """The next node of each tensor input of the autograd node running now, or None."""
-    current = getattr(torch._C, "_current_autograd_node", None)
-    if current is None:
-        return None
-    try:
-        node = current()
-        if node is None:
-            return None
-        return tuple(next_node for next_node, _ in node.next_functions)
-    except (RuntimeError, AttributeError, TypeError, ValueError):
-        return None
-
-
-def accumulated_variable(node) -> Optional[torch.Tensor]:
-    """The leaf tensor ``node`` accumulates gradients into, if it is an ``AccumulateGrad``."""
-    if node is None or type(node).__name__ != "AccumulateGrad":
-        return None
-    try:
-        variable = node.variable
-    except (RuntimeError, AttributeError):
-        return None
-    return variable if isinstance(variable, torch.Tensor) else None
 
 
 def engine_will_execute(node) -> Optional[bool]:

@@ -237,7 +237,8 @@ def compile_graph(gm, example_inputs, ctx):
         if real_inputs is not None and ctx.kind == "forward":
             spmd.remember_forward_inputs(ctx.graph_id, real_inputs, input_shardings(real_inputs))
         elif real_inputs is not None and ctx.kind == "backward":
-            pinned = spmd.gradient_shardings(ctx.graph_id, len(output_nodes(gm)))
+            count = len(output_nodes(gm))
+            pinned = spmd.gradient_shardings(ctx.graph_id, count, spmd.gradient_leaves(ctx.graph_id, count))
 
         on_host = host.host_part(gm, check_inputs(examples, ctx.name))
 
@@ -299,6 +300,10 @@ def compile_graph(gm, example_inputs, ctx):
             sharded=compat.is_spmd(),
         )
 
+    def leaf_shardings() -> tuple:  # a backward's gradients take their leaves' shardings
+        count = len(output_nodes(gm))
+        return spmd.leaf_signature(spmd.gradient_leaves(ctx.graph_id, count))
+
     def build(settings: config.Settings):
         if symbolic or compat.is_spmd():
             return PerSignatureExecutable(
@@ -306,6 +311,7 @@ def compile_graph(gm, example_inputs, ctx):
                 lambda args, device_args: executable_for(settings, args, device_args),
                 by_shape=symbolic,
                 by_sharding=compat.is_spmd(),
+                context=leaf_shardings if compat.is_spmd() and ctx.kind == "backward" else None,
             )
         return executable_for(settings)
 

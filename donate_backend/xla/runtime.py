@@ -654,7 +654,9 @@ class PerSignatureExecutable:
     - dynamic shapes: the graph is symbolic; each concrete combination of input
       shapes (and dynamic sizes) gets a static executable;
     - SPMD: HLO parameters must carry their inputs' shardings, which only the
-      real tensors know.
+      real tensors know; ``context`` (called at each call) adds what else the
+      executable depends on that the arguments do not show (a backward's
+      gradient layouts: the shardings of the parameters this call is for).
     """
 
     _boxed_call = True
@@ -665,11 +667,13 @@ class PerSignatureExecutable:
         make: Callable[[list, list], XlaExecutable],
         by_shape: bool,
         by_sharding: bool,
+        context: Optional[Callable[[], tuple]] = None,
     ):
         self.graph_name = graph_name
         self._make = make  # (args, device args) -> XlaExecutable
         self._by_shape = by_shape
         self._by_sharding = by_sharding
+        self._context = context
         self.device = torch_xla.device()
         self.by_signature: dict = {}
 
@@ -681,6 +685,7 @@ class PerSignatureExecutable:
         signature = (
             shape_signature(args) if self._by_shape else (),
             sharding_signature(device_args) if self._by_sharding else (),
+            self._context() if self._context is not None else (),
         )
         executable = self.by_signature.get(signature)
         if executable is None:

@@ -7,32 +7,101 @@ tensor it is the gradient of (a parameter sharded on dim 0 gets a gradient
 sharded on dim 0, as FSDP wants), rather than whatever XLA's propagation
 picks for the separate backward executable (often replicated: every device
 would then hold every gradient, and Adam's state built from it).
+
+Which tensor that is can change from call to call: dynamo runs one compiled
+graph for every module instance it fits (layers whose forward became its own
+frame after a graph break), and those instances may be sharded differently
+(a column-parallel and a row-parallel ``Linear``). For a leaf (a parameter)
+the autograd node running the backward names it (``gradient_leaves``); for
+any other input the shardings of the forward variant compiled last stand in.
 """
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from .. import autograd_compat
+
+
+class ForwardInputs(NamedTuple):
+    count: int  # the forward's inputs (the backward's outputs)
+    edges: tuple  # per input, its index among the tensor inputs (its autograd edge), else None
+    shapes: tuple  # per input, its shape (None for a non-tensor)
+    shardings: dict  # index -> (shape, OpSharding) of the inputs split over devices
+
 
 _lock = threading.Lock()
-# dynamo graph id -> (number of forward inputs, {index: (shape, OpSharding)})
-_forward_input_shardings: dict = {}
+_forward_inputs: dict = {}  # dynamo graph id -> ForwardInputs of the variant lowered last
 
 
 def remember_forward_inputs(graph_id: int, real_inputs: list, shardings: dict) -> None:
     """Called when a forward graph is lowered on its real (sharded) inputs."""
-    described = {i: (tuple(real_inputs[i].shape), sharding) for i, sharding in shardings.items()}
+    edges, count = [], 0
+    for value in real_inputs:
+        edges.append(count if isinstance(value, torch.Tensor) else None)
+        count += isinstance(value, torch.Tensor)
+    shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in real_inputs)
     with _lock:
-        _forward_input_shardings[graph_id] = (len(real_inputs), described)
+        _forward_inputs[graph_id] = ForwardInputs(
+            len(real_inputs), tuple(edges), shapes, {i: (shapes[i], s) for i, s in shardings.items()}
+        )
 
 
-def gradient_shardings(graph_id: int, num_outputs: int) -> Optional[dict]:
-    """Backward output index -> (shape, sharding), when output k is the gradient of
-    forward input k (aot_autograd's backward returns one per forward input)."""
+def gradient_leaves(graph_id: int, num_outputs: int) -> Optional[tuple]:
+    """Per backward output, the XLA leaf whose gradient it is in the backward running
+    now (None for an output that is not a leaf's gradient); None when that cannot be
+    told (no forward remembered, no autograd node, counts that do not match)."""
     with _lock:
-        known = _forward_input_shardings.get(graph_id)
-    if known is None or known[0] != num_outputs:
+        known = _forward_inputs.get(graph_id)
+    if known is None or known.count != num_outputs:
         return None
-    return dict(known[1])
+    nodes = autograd_compat.running_node_inputs()
+    if nodes is None or len(nodes) != sum(e is not None for e in known.edges):
+        return None
+    leaves = []
+    for edge, shape in zip(known.edges, known.shapes):
+        leaf = autograd_compat.accumulated_variable(nodes[edge]) if edge is not None else None
+        fits = leaf is not None and leaf.device.type == "xla" and tuple(leaf.shape) == shape
+        leaves.append(leaf if fits else None)
+    return tuple(leaves)
+
+
+def leaf_signature(leaves: Optional[Sequence]) -> tuple:
+    """The sharding spec of each leaf ("" for none): the part of a backward's
+    signature its arguments do not show."""
+    if leaves is None:
+        return ()
+    from . import compat
+
+    present = [leaf for leaf in leaves if leaf is not None]
+    specs = iter(compat.sharding_specs(present) if present else ())
+    return tuple(next(specs) if leaf is not None else None for leaf in leaves)
+
+
+def gradient_shardings(graph_id: int, num_outputs: int, leaves: Optional[Sequence] = None) -> Optional[dict]:
+    """Backward output index -> (shape, sharding), when output k is the gradient of
+    forward input k (aot_autograd's backward returns one per forward input).
+
+    Output k takes the sharding of ``leaves[k]`` where that is known (and none
+    when the leaf is not split over devices, as a replicated forward input
+    gets none), else of forward input k as last lowered."""
+    with _lock:
+        known = _forward_inputs.get(graph_id)
+    if known is None or known.count != num_outputs:
+        return None
+    pinned = dict(known.shardings)
+    if leaves is not None:
+        from . import compat
+
+        for k, (leaf, spec) in enumerate(zip(leaves, leaf_signature(leaves))):
+            if leaf is None:
+                continue
+            pinned.pop(k, None)
+            if spec and spec != "{replicated}":
+                pinned[k] = (tuple(leaf.shape), compat.op_sharding(leaf))
+    return pinned
 
 
 def inherited_shardings(gm, specs: tuple, shapes: list) -> dict:
