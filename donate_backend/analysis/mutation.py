@@ -112,14 +112,21 @@ def _source_name(source) -> Optional[str]:
     return name() if callable(name) else name
 
 
-def dynamo_input_roles(gm: torch.fx.GraphModule, example_inputs: Sequence) -> tuple[str, ...]:
-    """One role per aot_autograd flat input, from the names dynamo recorded.
+def graph_attributes(gm: torch.fx.GraphModule) -> list:
+    """``(name, tensor, is_parameter)`` for the dynamo module's parameters, then its
+    buffers: the inputs aot_autograd puts before the placeholders among its flat
+    inputs. Dynamo leaves tensors as module attributes when it does not inline nn
+    modules (``torch._dynamo.config.inline_inbuilt_nn_modules=False``) and for
+    optimizer state it makes attributes; otherwise there are none."""
+    return [(name, p, True) for name, p in gm.named_parameters(remove_duplicate=False)] + [
+        (name, b, False) for name, b in gm.named_buffers(remove_duplicate=False)
+    ]
 
-    aot_autograd's flat inputs are the dynamo module's parameters, then its
-    buffers (optimizer state that dynamo made attributes), then the placeholders.
-    """
-    roles = [input_role(name, True) for name, _ in gm.named_parameters(remove_duplicate=False)]
-    roles += [input_role(name, False) for name, _ in gm.named_buffers(remove_duplicate=False)]
+
+def dynamo_input_roles(gm: torch.fx.GraphModule, example_inputs: Sequence) -> tuple[str, ...]:
+    """One role per aot_autograd flat input, from the names dynamo recorded: the
+    graph's attributes (``graph_attributes``), then the placeholders."""
+    roles = [input_role(name, is_parameter) for name, _, is_parameter in graph_attributes(gm)]
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
         grapharg = node.meta.get("grapharg")
         source = getattr(grapharg, "source", None)

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from .. import config
+from ..analysis.mutation import graph_attributes
 from . import comm, compat, eligibility, plan, rewrite
 from .state import DDPBucketState, WriteCounts
 
@@ -195,9 +196,8 @@ def capture(gm, example_inputs) -> Optional[DDPGraphInfo]:
     binding.reconcile(config.current())
     tensors = plan.placeholder_tensors(gm, example_inputs)
     kinds = tensors if len(example_inputs) != len(tensors) else example_inputs
-    # aot_autograd's inputs: the graph's own parameters and buffers (there when dynamo
-    # does not inline nn modules), then the placeholders
-    attributes = plan.attribute_tensors(gm)
+    # aot_autograd's inputs: the graph's own parameters and buffers, then the placeholders
+    attributes = [tensor for _, tensor, _ in graph_attributes(gm)]
     tensors, kinds = attributes + tensors, attributes + list(kinds)
     return DDPGraphInfo(
         binding, plan.input_param_indices(tensors, binding.params), plan.tensor_edges(kinds)

@@ -34,16 +34,6 @@ def placeholder_tensors(gm: torch.fx.GraphModule, example_inputs: Sequence) -> l
     return tensors
 
 
-def attribute_tensors(gm: torch.fx.GraphModule) -> list:
-    """The graph module's parameters, then its buffers, as aot_autograd puts them
-    before the placeholders among its inputs. Dynamo leaves parameters as module
-    attributes when it does not inline nn modules
-    (``torch._dynamo.config.inline_inbuilt_nn_modules=False``); inlined, it has none."""
-    return [p for _, p in gm.named_parameters(remove_duplicate=False)] + [
-        b for _, b in gm.named_buffers(remove_duplicate=False)
-    ]
-
-
 def input_param_indices(tensors: Sequence, params: Sequence[torch.Tensor]) -> tuple:
     """For each graph input, the index of the parameter it is in ``params``, else None."""
     by_id = {id(p): i for i, p in enumerate(params)}
