@@ -27,7 +27,7 @@ layer unused), ``subset`` (parameter indices for the subset kinds),
 ``settings`` (a ``config.patch`` for the compiled run of this step only).
 
 Job options: ``graph_break``, ``shared_graph`` (one compiled graph run for
-every layer, with each layer's parameters), ``bucket_cap_mb``, ``param_hook``, ``comm_hook``,
+every layer, with each layer's parameters), ``bucket_cap_mb``, ``param_hook`` (on ``hook_layer``, default 0), ``comm_hook``,
 ``optimizer_in_backward`` (an SGD update in a post-accumulate-grad hook),
 ``join`` (``{"divide_by_initial_world_size": bool, "from_step": n}``: rank r
 runs r fewer steps, inside ``ddp.join(...)`` from step n), ``real_model`` (a
@@ -160,7 +160,7 @@ def _make_ddp(task, options: dict, ddp_kwargs: dict, compiled: bool):
     model = task.build()
     ddp = DDP(model, bucket_cap_mb=options.get("bucket_cap_mb", 1), **ddp_kwargs)
     if options.get("param_hook"):
-        model.layers[0].weight.register_hook(lambda grad: grad * 2)
+        model.layers[options.get("hook_layer", 0)].weight.register_hook(lambda grad: grad * 2)
     if options.get("comm_hook"):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 

@@ -139,6 +139,23 @@ def test_gradient_hook_keeps_that_parameter_on_ddp_path():
         ]
 
 
+def test_gradient_hook_on_one_layer_of_a_shared_graph_keeps_only_that_layer_on_ddp_path():
+    # One compiled graph runs layers 1 to 3 (layer 0, whose input needs no gradient, has
+    # its own); the hook is on layer 1's weight, the instance dynamo traced that graph
+    # with. The writer decides per call, from the parameter that call is for: layers 2
+    # and 3 are written into the buckets. (Decided when the graph was compiled, the
+    # hook kept all three weights on DDP's path: 5 writes.)
+    options = {"shared_graph": True, "param_hook": True, "hook_layer": 1}
+    results = run_job(dict(name="shared_param_hook", program=train(3), options=options))
+    assert_equal_on_every_rank(results)  # layers[1].weight doubles its gradient
+    steady(results, "slot_writes", 7)
+    for result in results:
+        assert result["logs"] == [
+            "donate_xla: DDP parameter #2 keeps DDP's normal path: a gradient hook is "
+            "registered on the parameter (it may replace the gradient)"
+        ]
+
+
 def test_comm_hook_falls_back_and_logs_reason():
     results = run_job(dict(name="comm_hook", program=train(3), options={"comm_hook": True}))
     assert_equal_on_every_rank(results)

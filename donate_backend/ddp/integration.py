@@ -234,24 +234,13 @@ def prepare(
             ctx.name,
         )
         return PreparedGraph(gm, 0, 0)
-    params = info.binding.params
-    kept = []
-    for position, index in targets:
-        reason = eligibility.param_fallback_reason(params[index])
-        if reason is None:
-            kept.append((position, index))
-        else:
-            log_once(
-                ("param", id(params[index]), reason),
-                logging.WARNING,
-                "donate_xla: DDP parameter #%d keeps DDP's normal path: %s",
-                index,
-                reason,
-            )
-    edges = [(position, info.edges[position], index) for position, index in kept]
+    # which gradients each call may write (a parameter's hooks, whether the engine
+    # accumulates it) is the writer's decision, made for the parameters of that call
+    edges = [(position, info.edges[position], index) for position, index in targets]
     tensor_inputs = sum(edge is not None for edge in info.edges)
     routed = (
-        rewrite.rewrite_backward(gm, edges, info.binding, ctx.name, tensor_inputs) if kept else []
+        rewrite.rewrite_backward(gm, edges, info.binding, ctx.name, tensor_inputs) if targets else []
     )
+    params = info.binding.params
     nbytes = sum(params[i].numel() * params[i].element_size() for i in routed)
     return PreparedGraph(gm, len(routed), nbytes)

@@ -22,7 +22,8 @@ these hold (``GradWriter.slot_for_this_call``):
   must stay differentiable);
 - the module is in bucket mode now (``binding.state``: our hook is on its
   reducer) and the slot is known and has the gradient's layout;
-- the parameter has no tensor hook (it may replace the gradient);
+- the parameter has no tensor hook (it may replace the gradient; logged once
+  per parameter);
 - the autograd engine will run this parameter's ``AccumulateGrad`` in the
   backward running now, i.e. this backward computes the gradient *for
   ``.grad``*. Under ``backward(inputs=...)`` without this parameter, or
@@ -41,13 +42,24 @@ import logging
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import config
 from ..errors import DonateXlaError
-from . import compat
+from . import compat, eligibility
 
 
 log = logging.getLogger("donate_xla")
+
+
+_fallbacks_logged = WeakIdKeyDictionary()  # parameter -> reasons already logged
+
+
+def _log_param_fallback(param: torch.Tensor, index: int, reason: str) -> None:
+    logged = _fallbacks_logged.setdefault(param, set())
+    if reason not in logged:
+        logged.add(reason)
+        log.warning("donate_xla: DDP parameter #%d keeps DDP's normal path: %s", index, reason)
 
 
 class GraphWrites:
@@ -114,7 +126,9 @@ class GradWriter:
         index = state.index_of(compat.accumulated_variable(accumulator))
         if index is None:
             return None
-        if compat.tensor_hooks(state.params[index]):
+        reason = eligibility.param_fallback_reason(state.params[index])
+        if reason is not None:
+            _log_param_fallback(state.params[index], index, reason)
             return None
         slot = state.slot(index)
         if slot is None or slot.shape != shape or slot.dtype != dtype or slot.device != device:
