@@ -1,6 +1,7 @@
 """Real models, CI-sized: HF transformers from tiny configs and torchvision, random weights.
 
-GPT-2, BERT, Llama, T5, Mixtral (mixture of experts); resnet18, ViT, ConvNeXt and Swin.
+GPT-2, BERT, Llama, T5, BART (one embedding tied three ways), Mixtral (mixture of
+experts); resnet18, ViT, ConvNeXt and Swin.
 
 Shared by tests/test_native_real_models.py, tests/test_ddp_real_models.py and
 bench/backward_memory.py. Everything is built offline from a config (no hub
@@ -111,6 +112,20 @@ def t5():
     return transformers.T5ForConditionalGeneration(config)
 
 
+def bart():
+    # Encoder-decoder whose encoder and decoder embeddings and LM head are one tensor
+    # (``model.shared``), with learned positions and a final-logits bias buffer.
+    import transformers
+
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+    )
+    return transformers.BartForConditionalGeneration(config)
+
+
 def resnet18():
     import torchvision
 
@@ -162,6 +177,7 @@ MODELS: Dict[str, RealModel] = {
     "llama": RealModel("llama", llama, _lm_batch, _hf_loss, "transformers"),
     "t5": RealModel("t5", t5, _lm_batch, _hf_loss, "transformers"),
     "mixtral": RealModel("mixtral", mixtral, _lm_batch, _hf_loss, "transformers"),
+    "bart": RealModel("bart", bart, _lm_batch, _hf_loss, "transformers"),
     "resnet18": RealModel("resnet18", resnet18, _images, _image_loss, "torchvision"),
     "vit": RealModel("vit", vit, _images, _image_loss, "torchvision"),
     "convnext": RealModel("convnext", convnext, _images, _image_loss, "torchvision"),

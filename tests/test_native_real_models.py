@@ -1,4 +1,4 @@
-"""Real models on the native path: HF GPT-2, BERT, Llama, T5, torchvision resnet18 and ViT.
+"""Real models on the native path: every model of tests/real_models.py.
 
 Each model (tiny config, random weights, dropout off; tests/real_models.py) is
 trained for 3 AdamW steps in eager and under

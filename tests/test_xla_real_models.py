@@ -1,4 +1,4 @@
-"""Real models on the XLA path: HF GPT-2, BERT, Llama, T5, Mixtral and torchvision ViT, resnet18, ConvNeXt, Swin.
+"""Real models on the XLA path: HF GPT-2, BERT, Llama, T5, BART, Mixtral and torchvision ViT, resnet18, ConvNeXt, Swin.
 
 Each model (tiny config, random weights, dropout off; tests/real_models.py)
 trains 3 AdamW steps on the XLA device in eager torch_xla and with donate_xla,
