@@ -45,3 +45,39 @@ def inference_mode_program(device, compile_fn):
     kept += [step(x, acc).reshape(1) for _ in range(3)]
     return [t.cpu() for t in kept + [acc] + list(model.parameters()) + list(model.buffers())]
 
+
+
+def grad_scaler_program(device, compile_fn, whole_step: bool):
+    """6 AdamW steps with ``torch.amp.GradScaler``: the loss scaled before the backward,
+    the gradients unscaled and checked for inf/NaN in ``scaler.step``, the scale
+    updated. Step 3 feeds an infinite input, so its gradients overflow: the scaler skips
+    that optimizer step and halves its scale. ``whole_step``: ``compile_fn`` applies to
+    the whole step (scale, backward, unscale, step, update), else to the model.
+    Returns the losses, the parameters and the final scale."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)
+    ).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler(device.type)
+    forward = model if whole_step else compile_fn(model)
+
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(forward(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    if whole_step:
+        step = compile_fn(step)
+    losses = []
+    for i in range(6):
+        gen = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        if i == 3:
+            x[0, 0] = float("inf")
+        losses.append(step(x.to(device), y.to(device)).cpu())
+    params = [p.detach().cpu() for p in model.parameters()]
+    return torch.stack(losses), params, torch.tensor(scaler.get_scale())

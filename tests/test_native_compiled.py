@@ -17,7 +17,7 @@ import torch
 import donate_backend
 from donate_backend import config
 from donate_backend.native.compiled import CompiledGraph
-from programs import inference_mode_program
+from programs import grad_scaler_program, inference_mode_program
 
 
 class WithConstants(torch.nn.Module):
@@ -196,3 +196,19 @@ def test_compiled_calls_under_inference_mode_match_eager(executor):
         got = inference_mode_program(torch.device("cpu"), lambda f: torch.compile(f, backend="donate_xla"))
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("executor", ["aten", "inductor"])
+@pytest.mark.parametrize("whole_step", [False, True], ids=["model", "step"])
+def test_grad_scaler_training_matches_eager(executor, whole_step):
+    """``torch.amp.GradScaler`` with the model or the whole step compiled: the
+    overflowing step is skipped and the scale halved, as in eager."""
+    expected = grad_scaler_program(torch.device("cpu"), lambda f: f, whole_step)
+    assert expected[2].item() == 2.0**15  # the overflow was seen: 65536 halved once
+    torch._dynamo.reset()
+    with config.patch(native_compiler=executor):
+        got = grad_scaler_program(
+            torch.device("cpu"), lambda f: torch.compile(f, backend="donate_xla"), whole_step
+        )
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=2e-5, atol=1e-5)

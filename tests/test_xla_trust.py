@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
-from programs import inference_mode_program
+from programs import grad_scaler_program, inference_mode_program
 
 pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 
@@ -1151,6 +1151,17 @@ def test_compiled_calls_under_inference_mode_match_eager(stitched):
     got = inference_mode_program(torch_xla.device(), _compiled_under(stitched))
     expected = inference_mode_program(torch.device("cpu"), lambda f: f)
     assert_close_tree(got, expected, "outputs, accumulator, parameters, buffers", tol=dict(rtol=2e-5, atol=1e-5))
+
+
+@STITCHED
+@pytest.mark.parametrize("whole_step", [False, True], ids=["model", "step"])
+def test_grad_scaler_training_matches_eager(stitched, whole_step):
+    """``torch.amp.GradScaler`` on XLA with the model or the whole step compiled: the
+    overflowing step is skipped and the scale halved, as in eager on the CPU."""
+    got = grad_scaler_program(torch_xla.device(), _compiled_under(stitched), whole_step)
+    expected = grad_scaler_program(torch.device("cpu"), lambda f: f, whole_step)
+    assert expected[2].item() == 2.0**15  # the overflow was seen: 65536 halved once
+    assert_close_tree(got, expected, "losses, parameters, scale", tol=dict(rtol=2e-5, atol=1e-5))
 
 
 def _hooked_training(device, compile_fn, hooks: str):
