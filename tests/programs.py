@@ -81,3 +81,31 @@ def grad_scaler_program(device, compile_fn, whole_step: bool):
         losses.append(step(x.to(device), y.to(device)).cpu())
     params = [p.detach().cpu() for p in model.parameters()]
     return torch.stack(losses), params, torch.tensor(scaler.get_scale())
+
+
+def varying_batch_program(device, compile_fn):
+    """A compiled training step (LayerNorm, GELU, AdamW with weight decay,
+    ``clip_grad_norm_``) called with batches of 4, 7, 4, 9, 7 and 5 rows, so dynamo
+    compiles it again after a change. Returns the losses, the parameters and the optimizer state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Linear(16, 3)
+    ).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    step = compile_fn(step)
+    losses = []
+    for i, rows in enumerate([4, 7, 4, 9, 7, 5]):
+        gen = torch.Generator().manual_seed(i)
+        x, y = torch.randn(rows, 6, generator=gen), torch.randint(0, 3, (rows,), generator=gen)
+        losses.append(step(x.to(device), y.to(device)).cpu())
+    state = [v.cpu() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return torch.stack(losses), [p.detach().cpu() for p in model.parameters()], state

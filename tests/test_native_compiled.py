@@ -17,7 +17,7 @@ import torch
 import donate_backend
 from donate_backend import config
 from donate_backend.native.compiled import CompiledGraph
-from programs import grad_scaler_program, inference_mode_program
+from programs import grad_scaler_program, inference_mode_program, varying_batch_program
 
 
 class WithConstants(torch.nn.Module):
@@ -210,5 +210,18 @@ def test_grad_scaler_training_matches_eager(executor, whole_step):
         got = grad_scaler_program(
             torch.device("cpu"), lambda f: torch.compile(f, backend="donate_xla"), whole_step
         )
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("executor", ["aten", "inductor"])
+def test_step_recompiled_for_a_changing_batch_size_matches_eager(executor):
+    """A whole training step called with changing batch sizes (dynamo compiles it again
+    after a change): equal to eager."""
+
+    expected = varying_batch_program(torch.device("cpu"), lambda f: f)
+    torch._dynamo.reset()
+    with config.patch(native_compiler=executor):
+        got = varying_batch_program(torch.device("cpu"), lambda f: torch.compile(f, backend="donate_xla"))
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=2e-5, atol=1e-5)
