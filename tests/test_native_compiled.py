@@ -185,17 +185,22 @@ def test_optimizer_in_backward_hooks_fire_as_in_eager(executor):
     assert any(r.kind == "backward" for r in donate_backend.reports())
 
 
+def _assert_program_matches_eager(program, executor: str, *args, tol=None) -> None:
+    """``program(device, compile_fn, *args)`` compiled with ``executor`` equals eager."""
+    expected = program(torch.device("cpu"), lambda f: f, *args)
+    torch._dynamo.reset()
+    with config.patch(native_compiler=executor):
+        got = program(torch.device("cpu"), lambda f: torch.compile(f, backend="donate_xla"), *args)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, **(tol or dict(rtol=2e-5, atol=1e-5)))
+
+
 @pytest.mark.parametrize("executor", ["aten", "inductor"])
 def test_compiled_calls_under_inference_mode_match_eager(executor):
     """The program tests/test_xla_trust.py runs on XLA (evaluation under
     ``torch.inference_mode()``, an inference tensor accumulated into inside a compiled
     call, then used to train), on the native path: equal to eager."""
-    expected = inference_mode_program(torch.device("cpu"), lambda f: f)
-    torch._dynamo.reset()
-    with config.patch(native_compiler=executor):
-        got = inference_mode_program(torch.device("cpu"), lambda f: torch.compile(f, backend="donate_xla"))
-    for g, e in zip(got, expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    _assert_program_matches_eager(inference_mode_program, executor, tol=dict(rtol=1e-5, atol=1e-6))
 
 
 @pytest.mark.parametrize("executor", ["aten", "inductor"])
@@ -203,25 +208,13 @@ def test_compiled_calls_under_inference_mode_match_eager(executor):
 def test_grad_scaler_training_matches_eager(executor, whole_step):
     """``torch.amp.GradScaler`` with the model or the whole step compiled: the
     overflowing step is skipped and the scale halved, as in eager."""
-    expected = grad_scaler_program(torch.device("cpu"), lambda f: f, whole_step)
-    assert expected[2].item() == 2.0**15  # the overflow was seen: 65536 halved once
-    torch._dynamo.reset()
-    with config.patch(native_compiler=executor):
-        got = grad_scaler_program(
-            torch.device("cpu"), lambda f: torch.compile(f, backend="donate_xla"), whole_step
-        )
-    for g, e in zip(got, expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=2e-5, atol=1e-5)
+    _, _, scale = grad_scaler_program(torch.device("cpu"), lambda f: f, whole_step)
+    assert scale.item() == 2.0**15  # the overflow was seen: 65536 halved once
+    _assert_program_matches_eager(grad_scaler_program, executor, whole_step)
 
 
 @pytest.mark.parametrize("executor", ["aten", "inductor"])
 def test_step_recompiled_for_a_changing_batch_size_matches_eager(executor):
     """A whole training step called with changing batch sizes (dynamo compiles it again
     after a change): equal to eager."""
-
-    expected = varying_batch_program(torch.device("cpu"), lambda f: f)
-    torch._dynamo.reset()
-    with config.patch(native_compiler=executor):
-        got = varying_batch_program(torch.device("cpu"), lambda f: torch.compile(f, backend="donate_xla"))
-    for g, e in zip(got, expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=2e-5, atol=1e-5)
+    _assert_program_matches_eager(varying_batch_program, executor)
