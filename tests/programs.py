@@ -2,6 +2,8 @@
 with ``compile_fn`` applied to its model and functions (the identity for eager)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -109,3 +111,117 @@ def varying_batch_program(device, compile_fn):
         losses.append(step(x.to(device), y.to(device)).cpu())
     state = [v.cpu() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return torch.stack(losses), [p.detach().cpu() for p in model.parameters()], state
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm residual MLP block, as transformer layers are built."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class _CheckpointedNet(torch.nn.Module):
+    """Three blocks, the first and last under ``torch.utils.checkpoint`` (the middle one
+    saves its activations as usual), then a linear head."""
+
+    def __init__(self, width: int, use_reentrant: bool | None):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(3))
+        self.head = torch.nn.Linear(width, 4)
+        self.use_reentrant = use_reentrant  # None: no checkpointing at all
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for k, block in enumerate(self.blocks):
+            if self.use_reentrant is None or k == 1:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return self.head(x)
+
+
+def checkpointed_program(device, compile_fn, whole_step: bool, use_reentrant: bool | None, width: int = 16):
+    """4 AdamW steps of a model with activation checkpointing (``use_reentrant=None``:
+    the same model without it). The input requires grad: a reentrant checkpoint whose
+    inputs do not gives its block no gradients in eager, while under ``torch.compile``
+    dynamo traces it like a non-reentrant one (any backend), so that case is not
+    compared. ``whole_step``: ``compile_fn`` applies to the whole step, else to the model.
+    Returns the losses, the inputs' gradients and the parameters."""
+    torch.manual_seed(0)
+    model = _CheckpointedNet(width, use_reentrant).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    forward = model if whole_step else compile_fn(model)
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    if whole_step:
+        step = compile_fn(step)
+    losses, input_grads = [], []
+    for i in range(4):
+        gen = torch.Generator().manual_seed(40 + i)
+        x = torch.randn(8, width, generator=gen).to(device).requires_grad_()
+        y = torch.randint(0, 4, (8,), generator=gen).to(device)
+        losses.append(step(x, y).cpu())
+        input_grads.append(x.grad.cpu())
+    return torch.stack(losses), input_grads, [p.detach().cpu() for p in model.parameters()]
+
+
+def held_state_program(device, compile_fn, whole_step: bool):
+    """4 AdamW steps while the program holds tensors that share the state's buffers:
+    ``model.state_dict()`` taken before training (its tensors alias the parameters and
+    BatchNorm statistics, so they follow every update), ``opt.state_dict()`` taken
+    after step 1 (it holds the optimizer's own moment tensors), and an
+    ``AveragedModel`` (SWA) updated after every step. After step 2 the model and the
+    optimizer are restored to clones taken after step 1 (``load_state_dict`` copies into
+    the parameters and installs the loaded moments). Returns the losses, the held state
+    dicts' tensors and the averaged model's state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(  # no bias before the BatchNorm: its gradient would be rounding noise
+        torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    ).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    held = model.state_dict()
+    averaged = torch.optim.swa_utils.AveragedModel(model)
+    forward = model if whole_step else compile_fn(model)
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    if whole_step:
+        step = compile_fn(step)
+    losses = []
+    for i in range(4):
+        gen = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        losses.append(step(x.to(device), y.to(device)).cpu())
+        averaged.update_parameters(model)
+        if i == 1:
+            held_optimizer = optimizer.state_dict()
+            model_copy = {k: v.clone() for k, v in model.state_dict().items()}
+            optimizer_copy = copy.deepcopy(optimizer.state_dict())
+        if i == 2:
+            model.load_state_dict(model_copy)
+            optimizer.load_state_dict(optimizer_copy)
+    moments = [v for s in held_optimizer["state"].values() for v in s.values() if torch.is_tensor(v)]
+    return (
+        torch.stack(losses),
+        [t.cpu() for t in held.values()],
+        [t.cpu() for t in moments],
+        [t.cpu() for t in averaged.state_dict().values()],
+    )

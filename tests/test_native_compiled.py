@@ -17,7 +17,13 @@ import torch
 import donate_backend
 from donate_backend import config
 from donate_backend.native.compiled import CompiledGraph
-from programs import grad_scaler_program, inference_mode_program, varying_batch_program
+from programs import (
+    checkpointed_program,
+    grad_scaler_program,
+    held_state_program,
+    inference_mode_program,
+    varying_batch_program,
+)
 
 
 class WithConstants(torch.nn.Module):
@@ -218,3 +224,18 @@ def test_step_recompiled_for_a_changing_batch_size_matches_eager(executor):
     """A whole training step called with changing batch sizes (dynamo compiles it again
     after a change): equal to eager."""
     _assert_program_matches_eager(varying_batch_program, executor)
+
+
+@pytest.mark.parametrize("executor", ["aten", "inductor"])
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_trains_like_eager(executor, use_reentrant):
+    """``torch.utils.checkpoint`` around two of three blocks, the model compiled:
+    losses, input gradients and parameters equal eager."""
+    _assert_program_matches_eager(checkpointed_program, executor, False, use_reentrant)
+
+
+@pytest.mark.parametrize("executor", ["aten", "inductor"])
+def test_state_dicts_and_averaged_model_held_during_training_match_eager(executor):
+    """State dicts and an SWA ``AveragedModel`` held while the compiled step trains, and a
+    restore by ``load_state_dict``: every held tensor equals eager's."""
+    _assert_program_matches_eager(held_state_program, executor, True)

@@ -12,7 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
-from programs import grad_scaler_program, inference_mode_program, varying_batch_program
+from programs import (
+    checkpointed_program,
+    grad_scaler_program,
+    held_state_program,
+    inference_mode_program,
+    varying_batch_program,
+)
 
 pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 
@@ -1177,6 +1183,42 @@ def test_step_recompiled_for_a_changing_batch_size_matches_eager(stitched):
     expected = varying_batch_program(torch.device("cpu"), lambda f: f)
     assert_close_tree(got, expected, "losses, parameters, optimizer state", tol=dict(rtol=2e-5, atol=1e-5))
     assert sum(r.kind == "forward" for r in donate_backend.reports()) >= 2  # it did recompile
+
+
+@STITCHED
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("whole_step", [False, True], ids=["model", "step"])
+def test_activation_checkpointing_trains_like_eager_and_saves_less(stitched, use_reentrant, whole_step):
+    """``torch.utils.checkpoint`` around two of three blocks, the model or the whole step
+    compiled: losses, input gradients and parameters equal eager on the CPU (eager
+    torch_xla 2.9 cannot run the checkpointed model: ``torch.utils.checkpoint`` looks
+    for a ``torch.xla`` module). The checkpointed blocks are recomputed in the backward,
+    so the forward saves less than the same model without checkpointing."""
+    import donate_backend
+
+    def saved(program_args):
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
+        got = checkpointed_program(torch_xla.device(), _compiled_under(stitched), *program_args)
+        return got, sum(r.saved_bytes or 0 for r in donate_backend.reports() if r.kind == "forward")
+
+    got, checkpointed_bytes = saved((whole_step, use_reentrant))
+    expected = checkpointed_program(torch.device("cpu"), lambda f: f, whole_step, use_reentrant)
+    assert_close_tree(got, expected, "losses, input gradients, parameters", tol=dict(rtol=2e-5, atol=1e-5))
+    _, plain_bytes = saved((whole_step, None))
+    assert 0 < checkpointed_bytes <= 0.8 * plain_bytes, (checkpointed_bytes, plain_bytes)  # 17 against 24 kB
+
+
+@STITCHED
+@pytest.mark.parametrize("whole_step", [False, True], ids=["model", "step"])
+def test_state_dicts_and_averaged_model_held_during_training_match_eager(stitched, whole_step):
+    """Tensors the program holds share the donated state's buffers: a state dict taken
+    before training (aliases of the parameters and statistics), the optimizer's state
+    dict (its moment tensors), an SWA ``AveragedModel``, and a restore by
+    ``load_state_dict`` mid-training. Every held tensor equals eager's after training."""
+    got = held_state_program(torch_xla.device(), _compiled_under(stitched), whole_step)
+    expected = held_state_program(torch.device("cpu"), lambda f: f, whole_step)
+    assert_close_tree(got, expected, "losses, held state dict, held moments, averaged model")
 
 
 def _hooked_training(device, compile_fn, hooks: str):
