@@ -169,3 +169,41 @@ def test_real_model_trains_like_eager(name, executor):
     if executor == "aten":
         # Freeing at last use never holds more than the plain backward of the same graphs.
         assert peak_ours <= peaks["aot_eager"]
+
+
+def _train_on_lengths(model, run, lengths):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for i, length in enumerate(lengths):
+        ids = torch.randint(0, 96, (2, length), generator=torch.Generator().manual_seed(i))
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.skipif(not available("gpt2"), reason="transformers is not installed")
+@pytest.mark.parametrize("executor", ["aten", "inductor"])
+def test_gpt2_with_dynamic_sequence_lengths_trains_like_eager(executor):
+    """``torch.compile(..., dynamic=True)`` and sequences of 8, 12, 16, 10 and 6 tokens:
+    the graphs are symbolic in the length, the backward still frees saved tensors at
+    their last use, and losses and parameters equal eager after every length."""
+    spec = MODELS["gpt2"]
+    eager = spec.build()
+    ours = copy.deepcopy(eager)
+    lengths = [8, 12, 16, 10, 6]
+    expected_losses, expected_params = _train_on_lengths(eager, eager, lengths)
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    with config.patch(native_compiler=executor):
+        compiled = torch.compile(ours, backend="donate_xla", dynamic=True)
+        losses, params = _train_on_lengths(ours, compiled, lengths)
+    tol = TOLERANCE[executor]
+    torch.testing.assert_close(losses, expected_losses, **tol["loss"])
+    for got, want in zip(params, expected_params, strict=True):
+        torch.testing.assert_close(got, want, **tol["params"])
+    backwards = [r for r in donate_backend.reports() if r.kind == "backward"]
+    assert backwards and len(backwards) < len(lengths)  # symbolic graphs, not one per length
+    assert max(r.saved_freed_early or 0 for r in backwards) > 0
