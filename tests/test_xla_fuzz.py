@@ -42,6 +42,8 @@ def _source_features(scenario) -> set:
         found.add("two backward phases in one function")
     if scenario.tied:
         found.add("tied weights")
+    if scenario.frozen:
+        found.add("a frozen parameter")
     if scenario.args:
         found.add("tensors passed as arguments")
     if scenario.eval_calls and "S.bn(" in text:
@@ -58,6 +60,7 @@ def test_the_generator_covers_what_users_write():
         "several functions sharing state",
         "two backward phases in one function",
         "tied weights",
+        "a frozen parameter",
         "tensors passed as arguments",
         "BatchNorm called in eval mode",
     }

@@ -7,7 +7,8 @@ mode over a 4-device mesh, every tensor replicated (the executables lowered on r
 buffers per sharding signature).
 
 Each scenario is generated from one seed. It holds persistent state (a module
-with parameters and buffers, optional tied weights, one or two optimizers,
+with parameters and buffers, optional tied weights, an optional frozen parameter
+(``requires_grad=False``, as in fine-tuning), one or two optimizers,
 extra tensors passed as arguments) and one to three functions written as
 Python source, the way users write training code:
 
@@ -109,9 +110,12 @@ class Scenario:
     # steps whose call (of a function made under no_grad) runs under torch.inference_mode():
     # its outputs are inference tensors, which have no version counter
     inference_mode_calls: frozenset = frozenset()
+    frozen: str = ""  # a parameter made with requires_grad=False (fine-tuning), or none
 
     def source(self) -> str:
         parts = [f"# seed {self.seed}; tied W1 is W0: {self.tied}; eval mode at steps {sorted(self.eval_calls)}"]
+        if self.frozen:
+            parts += [f"S.{self.frozen}.requires_grad_(False)  # frozen before training"]
         if self.inference_mode_calls:
             parts += [f"# under torch.inference_mode() at steps {sorted(self.inference_mode_calls)}"]
         parts += [f"opts[{k}] = {expr}" for k, expr in enumerate(self.optimizers)]
@@ -414,7 +418,9 @@ def generate(seed: int) -> Scenario:
     inference_mode_calls = frozenset(
         k for k, index in enumerate(calls) if index in no_grad_functions and inference_rng.random() < 0.5
     )
-    return Scenario(seed, tied, optimizers, args, functions, calls, eval_calls, between, inference_mode_calls)
+    frozen_rng = random.Random(seed * 97 + 19)  # own stream too
+    frozen = frozen_rng.choice(["W1", "b0"]) if frozen_rng.random() < 0.15 else ""
+    return Scenario(seed, tied, optimizers, args, functions, calls, eval_calls, between, inference_mode_calls, frozen)
 
 
 # -- running -----------------------------------------------------------------------------
@@ -422,7 +428,7 @@ def generate(seed: int) -> Scenario:
 class State(torch.nn.Module):
     """Built on its device: ``Module.to`` would untie W1 from W0 when moving to XLA."""
 
-    def __init__(self, tied: bool, seed: int, device: torch.device):
+    def __init__(self, tied: bool, seed: int, device: torch.device, frozen: str = ""):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
 
@@ -442,6 +448,8 @@ class State(torch.nn.Module):
             self.bn.bias.copy_(make(D, scale=0.1))
         self.ln_w = torch.nn.Parameter(make(D, scale=0.2) + 1)
         self.ln_b = torch.nn.Parameter(make(D, scale=0.1))
+        if frozen:  # fine-tuning: one parameter (both, if tied) gets no gradient
+            getattr(self, frozen).requires_grad_(False)
 
 
 @dataclasses.dataclass
@@ -499,7 +507,7 @@ def _state_values(state: State, opts: list, args: dict) -> dict:
 
 
 def run(scenario: Scenario, device: torch.device, compiled, backend: str = "donate_xla") -> Run:
-    state = State(scenario.tied, scenario.seed, device)
+    state = State(scenario.tied, scenario.seed, device, scenario.frozen)
     g = torch.Generator().manual_seed(scenario.seed + 1)
     args = {name: torch.randn(*shape, generator=g).to(device) for name, shape in scenario.args}
     opts: list = [None] * len(scenario.optimizers)
