@@ -158,6 +158,9 @@ def _task(options: dict):
 
 def _make_ddp(task, options: dict, ddp_kwargs: dict, compiled: bool):
     model = task.build()
+    for name, param in model.named_parameters():  # fine-tuning: DDP leaves frozen parameters out
+        if any(name.startswith(prefix) for prefix in options.get("freeze", ())):
+            param.requires_grad_(False)
     ddp = DDP(model, bucket_cap_mb=options.get("bucket_cap_mb", 1), **ddp_kwargs)
     if options.get("param_hook"):
         model.layers[options.get("hook_layer", 0)].weight.register_hook(lambda grad: grad * 2)

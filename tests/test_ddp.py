@@ -156,6 +156,15 @@ def test_gradient_hook_on_one_layer_of_a_shared_graph_keeps_only_that_layer_on_d
         ]
 
 
+def test_frozen_layer_gets_no_gradient_and_the_rest_land_in_the_buckets():
+    """Fine-tuning: layer 1 frozen (``requires_grad_(False)`` before DDP, which leaves it
+    out of its buckets). Its gradients stay None, as in eager DDP; the other 6
+    parameters' gradients are written into the buckets."""
+    results = run_job(dict(name="frozen_layer", program=train(3), options={"freeze": ["layers.1."]}))
+    assert_equal_on_every_rank(results)  # compares every .grad, None included
+    steady(results, "slot_writes", 6)
+
+
 def test_comm_hook_falls_back_and_logs_reason():
     results = run_job(dict(name="comm_hook", program=train(3), options={"comm_hook": True}))
     assert_equal_on_every_rank(results)

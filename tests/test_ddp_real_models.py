@@ -1,6 +1,7 @@
 """The real models of tests/real_models.py under DDP (2 gloo ranks), against eager DDP.
 
-Two of them also compiled inside DDP (``DDP(model.compile())``).
+Two of them also compiled inside DDP (``DDP(model.compile())``), and GPT-2 with its
+token embedding (tied to the LM head) frozen.
 
 Each model trains 3 SGD steps in eager DDP and under
 ``torch.compile(DDP(model), backend="donate_xla")`` (ATen executor, gradients
@@ -38,6 +39,12 @@ def results():
             options={"real_model": name, "bucket_cap_mb": 1, "compile_inner": True},
         )
         for name in INNER if name in NAMES
+    ] + [
+        dict(
+            name=f"{name} frozen embedding", program=train(3),
+            options={"real_model": name, "bucket_cap_mb": 1, "freeze": ["transformer.wte."]},
+        )
+        for name in FROZEN if name in NAMES
     ]
     return run_jobs(jobs, world_size=2)
 
@@ -47,6 +54,21 @@ def results():
 # for every expert: with gradients written into the tracing expert's slots they were
 # off by up to 3e-3 here before bucket writes followed the autograd node's parameters.
 INNER = ["gpt2", "mixtral"]
+
+
+# Fine-tuning with the token embedding frozen: in GPT-2 it is also the LM head (tied),
+# so neither gets a gradient, in eager DDP or compiled.
+FROZEN = ["gpt2"]
+
+
+@pytest.mark.parametrize("name", FROZEN)
+def test_real_model_with_a_frozen_tied_embedding_equals_eager_ddp(results, name):
+    if name not in NAMES:
+        pytest.skip(f"{MODELS[name].package} is not installed")
+    for result in results[f"{name} frozen embedding"]:
+        assert result["problems"] == [], (name, result["rank"], result["problems"])
+        writes = result["slot_writes"]
+        assert writes[-1] - writes[-2] > 0, (name, result["rank"], writes)
 
 
 @pytest.mark.parametrize("name", INNER)
