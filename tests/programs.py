@@ -113,6 +113,21 @@ def varying_batch_program(device, compile_fn):
     return torch.stack(losses), [p.detach().cpu() for p in model.parameters()], state
 
 
+def _classifier_step(model, optimizer, compile_fn, whole_step: bool):
+    """``step(x, y)``: cross-entropy, backward, optimizer step, ``zero_grad``; the loss.
+    ``compile_fn`` applies to the whole step when ``whole_step``, else to the model."""
+    forward = model if whole_step else compile_fn(model)
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return compile_fn(step) if whole_step else step
+
+
 class _Block(torch.nn.Module):
     """A pre-norm residual MLP block, as transformer layers are built."""
 
@@ -157,17 +172,7 @@ def checkpointed_program(device, compile_fn, whole_step: bool, use_reentrant: bo
     torch.manual_seed(0)
     model = _CheckpointedNet(width, use_reentrant).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    forward = model if whole_step else compile_fn(model)
-
-    def step(x, y):
-        loss = torch.nn.functional.cross_entropy(forward(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.detach()
-
-    if whole_step:
-        step = compile_fn(step)
+    step = _classifier_step(model, optimizer, compile_fn, whole_step)
     losses, input_grads = [], []
     for i in range(4):
         gen = torch.Generator().manual_seed(40 + i)
@@ -194,17 +199,7 @@ def held_state_program(device, compile_fn, whole_step: bool):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     held = model.state_dict()
     averaged = torch.optim.swa_utils.AveragedModel(model)
-    forward = model if whole_step else compile_fn(model)
-
-    def step(x, y):
-        loss = torch.nn.functional.cross_entropy(forward(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.detach()
-
-    if whole_step:
-        step = compile_fn(step)
+    step = _classifier_step(model, optimizer, compile_fn, whole_step)
     losses = []
     for i in range(4):
         gen = torch.Generator().manual_seed(i)
