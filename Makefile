@@ -35,11 +35,12 @@ demo: $(STAMP)
 
 test: test-xla test-newest
 
-# Two processes: XLA:CPU maps memory for every kernel of every executable torch_xla keeps,
+# Three processes: XLA:CPU maps memory for every kernel of every executable torch_xla keeps,
 # and the real models compile enough graphs to push one process past donate_xla's
 # memory-mapping guard (docs/xla.md, "memory mappings").
 test-xla: $(STAMP)
-	$(PY) -m pytest -q tests/test_xla_real_models.py
+	$(PY) -m pytest -q tests/test_xla_real_models.py -k "not segments"
+	$(PY) -m pytest -q tests/test_xla_real_models.py -k segments
 	$(PY) -m pytest -q tests --ignore=tests/test_xla_real_models.py
 
 test-newest: $(NEWEST_STAMP)

@@ -28,6 +28,9 @@ class Settings:
     # DONATE_XLA_ORDER_RECOMPUTE: backward recomputation kept in place; None (unset): only
     # under an activation budget below 1.0 (see ``orders_recompute``)
     order_recompute: Optional[bool] = None
+    # DONATE_XLA_BACKWARD_SEGMENTS: XLA backward graphs run as up to this many executables,
+    # each saved tensor released after the last one that reads it (0 or 1: one executable)
+    backward_segments: int = 0
 
     def __post_init__(self) -> None:
         if self.native_compiler not in _NATIVE_COMPILERS:
@@ -39,6 +42,11 @@ class Settings:
             raise ValueError(
                 f"donate_xla: activation_budget must be in (0, 1], got {self.activation_budget!r} "
                 "(set DONATE_XLA_ACTIVATION_BUDGET, e.g. 0.5 to save about half the activations)"
+            )
+        if isinstance(self.backward_segments, bool) or not isinstance(self.backward_segments, int) or self.backward_segments < 0:
+            raise ValueError(
+                f"donate_xla: backward_segments must be a whole number >= 0, got {self.backward_segments!r} "
+                "(set DONATE_XLA_BACKWARD_SEGMENTS, e.g. 8; 0 runs each backward as one executable)"
             )
 
     @property
@@ -88,6 +96,14 @@ def settings_from_env(environ: Mapping[str, str]) -> Settings:
         except ValueError:
             raise ValueError(
                 f"donate_xla: DONATE_XLA_ACTIVATION_BUDGET={raw!r} is not a number; use e.g. 0.5"
+            ) from None
+    if "DONATE_XLA_BACKWARD_SEGMENTS" in environ:
+        raw = environ["DONATE_XLA_BACKWARD_SEGMENTS"]
+        try:
+            kwargs["backward_segments"] = int(raw.strip())
+        except ValueError:
+            raise ValueError(
+                f"donate_xla: DONATE_XLA_BACKWARD_SEGMENTS={raw!r} is not a whole number; use e.g. 8 (0: off)"
             ) from None
     return Settings(**kwargs)
 

@@ -61,6 +61,10 @@ class GraphRecord:
     stitched: bool = False  # XLA path: runs inside a lazy whole-step graph (DONATE_XLA_STITCH)
     saved_bytes: Optional[int] = None  # forward graphs: bytes of activations saved for backward
     recompute_gated: int = 0  # XLA backward graphs: recomputation roots kept in order (xla/recompute.py)
+    # XLA backward graphs run in segments (xla/segments.py): how many, and the bytes of
+    # inputs (saved tensors, incoming gradients) released before the last segment runs
+    backward_segments: int = 0
+    released_bytes: int = 0
     # XLA path: the lowered graph (``xla.lower.LoweredGraph``); ``lowered.traced`` is
     # the traced stage. Each prints itself with ``as_text()``.
     lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -117,6 +121,11 @@ def format_record(r: GraphRecord) -> str:
     if r.recompute_gated:
         lines.append(
             f"  recomputation kept in order: {r.recompute_gated} roots wait for the gradient before them"
+        )
+    if r.backward_segments:
+        lines.append(
+            f"  run in {r.backward_segments} segments (records follow): {r.released_bytes} B of saved "
+            "tensors and incoming gradients released before the last one runs"
         )
     if r.stitched:
         lines.append(

@@ -11,6 +11,7 @@ def test_defaults_are_on():
     assert (s.donation, s.free_saved, s.bucket_view, s.debug) == (True, True, True, False)
     assert s.native_compiler == "aten"
     assert (s.stitch, s.activation_budget, s.order_recompute) == (False, 1.0, None)
+    assert s.backward_segments == 0
 
 
 @pytest.mark.parametrize(
@@ -39,6 +40,13 @@ def test_memory_switches_parse_and_validate():
         config.settings_from_env({"DONATE_XLA_ACTIVATION_BUDGET": "half"})
     with pytest.raises(ValueError, match=r"activation_budget must be in \(0, 1\], got 1.5"):
         config.settings_from_env({"DONATE_XLA_ACTIVATION_BUDGET": "1.5"})
+    assert config.settings_from_env({"DONATE_XLA_BACKWARD_SEGMENTS": " 8 "}).backward_segments == 8
+    with pytest.raises(ValueError, match="DONATE_XLA_BACKWARD_SEGMENTS='eight' is not a whole number"):
+        config.settings_from_env({"DONATE_XLA_BACKWARD_SEGMENTS": "eight"})
+    with pytest.raises(ValueError, match="backward_segments must be a whole number >= 0, got -2"):
+        config.settings_from_env({"DONATE_XLA_BACKWARD_SEGMENTS": "-2"})
+    with pytest.raises(ValueError, match="got True"):
+        config.Settings(backward_segments=True)
 
 
 def test_env_parsing():
@@ -87,6 +95,16 @@ def test_record_says_how_many_recomputation_roots_were_ordered():
     assert "recomputation kept in order: 3 roots wait for the gradient before them" in report.format_record(ordered)
     plain = report.GraphRecord(0, "backward", "xla", "xla", 5)
     assert "recomputation" not in report.format_record(plain)
+
+
+def test_record_of_a_split_backward_says_how_many_segments_and_what_they_release():
+    split = report.GraphRecord(
+        graph_id=2, kind="backward", device="xla", path="xla", num_inputs=9, backward_segments=4, released_bytes=4096
+    )
+    text = report.format_record(split)
+    assert "run in 4 segments (records follow): 4096 B of saved tensors and incoming gradients released" in text
+    plain = report.GraphRecord(graph_id=2, kind="backward", device="xla", path="xla", num_inputs=9)
+    assert "segments" not in report.format_record(plain)
 
 
 def test_compile_options_are_refused_and_modes_ignored_with_a_warning():

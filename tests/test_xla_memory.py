@@ -1,11 +1,6 @@
 """Below the floor: stitched whole-step graphs (DONATE_XLA_STITCH) and the activation
 budget (DONATE_XLA_ACTIVATION_BUDGET). Values against eager; the memory figures in
 fresh processes (live bytes: every buffer its own mapping)."""
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -21,6 +16,7 @@ import torch_xla.debug.metrics as met
 
 import donate_backend
 from donate_backend import config
+from live_growth import live_growth
 from xla_models import CASES, MLP, TransformerBlock, train
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -155,8 +151,12 @@ def test_a_stitched_step_gives_each_updated_tensor_its_own_buffer(xla_device, op
     assert met.metric_data("CompileTime")[0] == compiles  # the operand order is the same every step
 
 
-@pytest.mark.parametrize("stitch", [False, True])
-def test_retain_graph_and_create_graph_stay_right(xla_device, stitch):
+@pytest.mark.parametrize(
+    "switches", [{}, {"stitch": True}, {"backward_segments": 3}], ids=["executables", "stitched", "segments"]
+)
+def test_retain_graph_and_create_graph_stay_right(xla_device, switches):
+    """Under ``retain_graph`` autograd keeps the saved tensors for the second backward:
+    backward segments release only their own references, so both backwards read them."""
     def run(backend):
         torch.manual_seed(0)
         model = MLP().to(xla_device)
@@ -180,7 +180,7 @@ def test_retain_graph_and_create_graph_stay_right(xla_device, stitch):
         return [p.detach().cpu() for p in model.parameters()] + [gx.detach().cpu(), ggx.cpu()]
 
     eager = run(None)
-    with config.patch(stitch=stitch):
+    with config.patch(**switches):
         compiled = run("donate_xla")
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(b, a, **TOL)
@@ -223,52 +223,9 @@ def test_an_activation_budget_saves_less_and_trains_the_same(xla_device):
             torch.testing.assert_close(b, a, **TOL)
 
 
-_GROWTH = textwrap.dedent(
-    """
-    import json, threading, time, torch, torch_xla, torch_xla.core.xla_model as xm
-    import donate_backend
-
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-
-    torch.manual_seed(0)
-    dev = torch_xla.device()
-    layers = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(2560, 2560), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers).to(dev)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    x = torch.randn(64, 2560).to(dev)
-
-    @torch.compile(backend="donate_xla")
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    for _ in range(3):
-        step(x); torch_xla.sync(); xm.wait_device_ops()
-    samples, stop = [], threading.Event()
-    def sample():
-        while not stop.is_set():
-            samples.append(rss()); time.sleep(0.002)
-    thread = threading.Thread(target=sample); thread.start()
-    for _ in range(4):
-        step(x); torch_xla.sync(); xm.wait_device_ops()
-    stop.set(); thread.join()
-    print(json.dumps({"growth": max(samples) - min(samples)}))
-    """
-)
-
-
 def _live_growth(stitch: bool) -> int:
-    env = dict(os.environ, PJRT_DEVICE="CPU", MALLOC_MMAP_THRESHOLD_="65536", DONATE_XLA_STITCH="1" if stitch else "0")
-    out = subprocess.run([sys.executable, "-c", _GROWTH], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    env = {"DONATE_XLA_STITCH": "1" if stitch else "0"}
+    return live_growth(env, depth=8, width=2560, batch=64, momentum=0.9)["growth"]
 
 
 def test_stitching_is_what_lowers_the_memory_of_a_step():

@@ -64,7 +64,7 @@ def _train(name: str, compile_how: str | None, backend: str = "donate_xla", chec
     if compile_how == "model":
         compiled = torch.compile(model, backend=backend)
         run = lambda batch: step(compiled, batch)  # noqa: E731
-    elif compile_how in ("step", "stitched"):
+    elif compile_how in ("step", "stitched", "segments"):
         run = torch.compile(lambda batch: step(model, batch), backend="donate_xla")
     else:
         run = lambda batch: step(model, batch)  # noqa: E731
@@ -77,8 +77,16 @@ def _train(name: str, compile_how: str | None, backend: str = "donate_xla", chec
 
 
 CASES = [(name, "model") for name in MODELS] + [
-    (name, how) for how in ("step", "stitched") for name in MODELS if name != "resnet18"
+    (name, how) for how in ("step", "stitched", "segments") for name in MODELS if name != "resnet18"
 ]
+# the step compiled under each mode's switches; "segments": the backward in 4 segments with the
+# budget that recomputes only cheap ops (the benchmark GPT's least-memory row)
+SWITCHES = {
+    "model": {},
+    "step": dict(activation_budget=0.5),
+    "stitched": dict(stitch=True),
+    "segments": dict(backward_segments=4, activation_budget=0.7),
+}
 
 
 @pytest.mark.parametrize("name,compile_how", CASES, ids=[f"{n}-{h}" for n, h in CASES])
@@ -94,7 +102,7 @@ def test_real_model_trains_like_eager_on_xla(name, compile_how):
         torch.testing.assert_close(ref_losses, eager_losses, **CHAOTIC_EAGER_LOSS_TOL)
     torch._dynamo.reset()
     donate_backend.clear_reports()
-    with config.patch(activation_budget=0.5 if compile_how == "step" else 1.0, stitch=compile_how == "stitched"):
+    with config.patch(**SWITCHES[compile_how]):
         losses, params = _train(name, compile_how)
     records = [r for r in donate_backend.reports() if r.path == "xla"]
     assert records, "nothing was compiled on the XLA path"
@@ -105,6 +113,9 @@ def test_real_model_trains_like_eager_on_xla(name, compile_how):
     assert any(r.stitched for r in records) == (compile_how == "stitched")
     if compile_how == "step":
         assert any(r.recompute_gated for r in records if r.kind == "backward")
+        assert any(r.donated for r in records)
+    if compile_how == "segments":
+        assert any(r.backward_segments >= 2 for r in records)
         assert any(r.donated for r in records)
     torch.testing.assert_close(losses, ref_losses, **LOSS_TOL)
     for n, p in ref_params.items():

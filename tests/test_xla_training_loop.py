@@ -15,8 +15,8 @@ Each mode runs the loop compiled and eagerly from the same weights and data;
 training and evaluation losses, parameters and optimizer state must match
 eager's. Modes: the whole step compiled (separate executables, donating
 parameters and state), the same under an activation budget (the backward
-recomputes), the same stitched into one lazy graph, and only the model
-compiled (optimizer and clipping eager).
+recomputes), the same stitched into one lazy graph, the same with the backward
+run in segments, and only the model compiled (optimizer and clipping eager).
 
 Each mode runs in a process of its own (this file as a script): XLA:CPU maps
 memory for every kernel it compiles, torch_xla keeps every executable, and
@@ -55,6 +55,7 @@ MODES = {
     "step": dict(),
     "step-budget": dict(activation_budget=0.5),
     "step-stitched": dict(stitch=True),
+    "step-segments": dict(backward_segments=3),
     "model": dict(),
 }
 
@@ -131,12 +132,14 @@ def check(mode):
         losses, params, state = _loop(mode)
     records = [r for r in donate_backend.reports() if r.path == "xla"]
     assert records, "nothing was compiled on the XLA path"
-    if mode in ("step", "step-budget"):  # stitched graphs donate at the sync instead
+    if mode in ("step", "step-budget", "step-segments"):  # stitched graphs donate at the sync instead
         assert any(r.donated for r in records), "the compiled step donated nothing"
     if mode == "step-stitched":
         assert all(r.stitched for r in records)
     if mode == "step-budget":
         assert any(r.recompute_gated for r in records if r.kind == "backward")
+    if mode == "step-segments":
+        assert any(r.backward_segments >= 2 for r in records)
     # restored to its state after step 1, step 3 repeats step 2 (train and eval)
     torch.testing.assert_close(eager_losses[4:6], eager_losses[2:4], **LOSS_TOL)
     torch.testing.assert_close(losses, eager_losses, **LOSS_TOL)

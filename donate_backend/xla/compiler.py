@@ -3,7 +3,8 @@
 Each graph is lowered once per switch setting (``builds.BuildsPerSetting``):
 the returned callable picks the build for the switches in force on every
 call, so flipping a switch recompiles instead of reusing code built under the
-other setting.
+other setting. Under ``DONATE_XLA_BACKWARD_SEGMENTS`` a backward's build is a
+``segments.ReleasingRunner`` whose segments are compiled here like any graph.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch_xla
 from .. import config, report
 from ..analysis import aliasing, mutation
 from ..builds import BuildsPerSetting
-from . import compat, fallback, host, metrics
+from . import compat, fallback, host, metrics, segments
 from . import spmd
 from .lower import LoweredGraph, input_shardings, lower, sharding_signature
 from .runtime import PerSignatureExecutable, StitchedExecutable, XlaExecutable
@@ -200,6 +201,29 @@ def concrete_examples(example_inputs: Sequence, args: Sequence) -> list:
     return [int(a) if isinstance(e, torch.SymInt) else a for e, a in zip(example_inputs, args)]
 
 
+def _split_backward(gm, ctx, settings: config.Settings, symbolic: bool) -> Optional[segments.SplitBackward]:
+    """The backward split into segments (``DONATE_XLA_BACKWARD_SEGMENTS``), or None.
+
+    Not for a segment itself, dynamic shapes (one executable per signature),
+    SPMD (gradient shardings are pinned per whole backward) or stitched steps
+    (XLA schedules the whole step as one executable there).
+    """
+    if ctx.kind != "backward" or getattr(ctx, "segment", None) is not None:
+        return None
+    if settings.backward_segments < 2 or symbolic or compat.is_spmd() or settings.stitch:
+        return None
+    return segments.split_backward(gm, settings.backward_segments)
+
+
+def _record_split(split: segments.SplitBackward, ctx, num_inputs: int) -> None:
+    report.add(
+        report.GraphRecord(
+            graph_id=ctx.graph_id, kind=ctx.kind, device="xla", path="xla", num_inputs=num_inputs,
+            backward_segments=split.count, released_bytes=split.released_bytes,
+        )
+    )
+
+
 def compile_graph(gm, example_inputs, ctx):
     """Analyse ``gm`` and compile it for the switches in force (see module docstring).
 
@@ -210,15 +234,15 @@ def compile_graph(gm, example_inputs, ctx):
     """
     example_inputs = list(example_inputs)
     mutation.strip_donation_requests(gm)  # read at dynamo level (xla.capture)
-    segments = fallback.split_at_fallbacks(gm)
-    if segments is not None:  # ops torch_xla cannot lower run on the CPU between XLA segments
+    around_cpu_ops = fallback.split_at_fallbacks(gm)
+    if around_cpu_ops is not None:  # ops torch_xla cannot lower run on the CPU between XLA segments
         report.add(
             report.GraphRecord(
                 graph_id=ctx.graph_id, kind=ctx.kind, device="cpu", path="xla",
-                num_inputs=len(example_inputs), fallback_ops=segments.fallback_ops,
+                num_inputs=len(example_inputs), fallback_ops=around_cpu_ops.fallback_ops,
             )
         )
-        return fallback.compile_segments(segments, ctx, compile_graph, torch_xla.device())
+        return fallback.compile_segments(around_cpu_ops, ctx, compile_graph, torch_xla.device())
     roles = tuple(getattr(ctx, "input_roles", ()) or ())
     symbolic = is_symbolic(example_inputs)
     check_inputs(example_inputs, ctx.name)
@@ -305,6 +329,10 @@ def compile_graph(gm, example_inputs, ctx):
         return spmd.leaf_signature(spmd.gradient_leaves(ctx.graph_id, count))
 
     def build(settings: config.Settings):
+        split = _split_backward(gm, ctx, settings, symbolic)
+        if split is not None:
+            _record_split(split, ctx, len(example_inputs))
+            return segments.compile_split(split, ctx, compile_graph, fallback.SegmentContext)
         if symbolic or compat.is_spmd():
             return PerSignatureExecutable(
                 ctx.name,

@@ -134,7 +134,7 @@ class _Segment(torch.nn.Module):
         return out[0] if self._single else tuple(out)
 
 
-def _returns_one_value(submodule: torch.fx.GraphModule) -> bool:
+def returns_one_value(submodule: torch.fx.GraphModule) -> bool:
     return not isinstance(submodule.graph.output_node().args[0], (tuple, list))
 
 
@@ -149,9 +149,9 @@ def compile_segments(segments: Segments, ctx, compile_segment: Callable, device:
         if name in segments.fallback_names:
             setattr(top, name, _Segment(on_cpu(submodule, device), boxed=False, single_output=False))
             continue
-        segment_ctx = _SegmentContext(ctx, k)
+        segment_ctx = SegmentContext(ctx, k)
         compiled = compile_segment(submodule, segment_example_inputs(submodule), segment_ctx)
-        setattr(top, name, _Segment(compiled, boxed=True, single_output=_returns_one_value(submodule)))
+        setattr(top, name, _Segment(compiled, boxed=True, single_output=returns_one_value(submodule)))
 
     def run(args):
         out = top(*args)
@@ -162,7 +162,7 @@ def compile_segments(segments: Segments, ctx, compile_segment: Callable, device:
     return run
 
 
-class _SegmentContext:
+class SegmentContext:
     """The graph's context, renamed for one of its segments."""
 
     def __init__(self, ctx, index: int):
