@@ -29,7 +29,10 @@ most activations), donate_xla_budget_0.45 (DONATE_XLA_ACTIVATION_BUDGET=0.45: a 
 under half the activations saved, cheap ones recomputed), donate_xla_stitch_budget_0.45 (both
 switches), donate_xla_budget_sched (budget
 0.1 with XLA's memory-minimising CPU scheduler,
-XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false), openxla, openxla
+XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false), donate_xla_segments
+(DONATE_XLA_BACKWARD_SEGMENTS=8: each backward runs as 8 executables, releasing saved
+activations as it goes), donate_xla_segments_budget_0.8 and _0.7 (that and the
+activation budget), openxla, openxla
 with every state buffer flagged for donation by hand, lazy (plain torch_xla: no torch.compile, torch_xla.sync() per step) and
 lazy_sched (lazy with the memory-minimising scheduler). `--backends` runs a subset.
 The floor is what a step must hold at its peak however it is compiled: the
@@ -49,13 +52,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 BACKENDS = (
     "donate_xla", "donate_xla_stitch", "donate_xla_budget", "donate_xla_budget_0.45", "donate_xla_stitch_budget_0.45",
-    "donate_xla_budget_sched",
+    "donate_xla_budget_sched", "donate_xla_segments", "donate_xla_segments_budget_0.8", "donate_xla_segments_budget_0.7",
     "openxla", "openxla_flagged", "lazy", "lazy_sched",
 )
 MEMORY_SCHEDULER = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
 # variants: the switches they run under (set before the XLA client starts)
 VARIANTS = {
     "donate_xla_stitch": {"DONATE_XLA_STITCH": "1"},
+    "donate_xla_segments": {"DONATE_XLA_BACKWARD_SEGMENTS": "8"},
+    "donate_xla_segments_budget_0.8": {"DONATE_XLA_BACKWARD_SEGMENTS": "8", "DONATE_XLA_ACTIVATION_BUDGET": "0.8"},
+    "donate_xla_segments_budget_0.7": {"DONATE_XLA_BACKWARD_SEGMENTS": "8", "DONATE_XLA_ACTIVATION_BUDGET": "0.7"},
     "donate_xla_budget": {"DONATE_XLA_ACTIVATION_BUDGET": "0.1"},
     "donate_xla_budget_0.45": {"DONATE_XLA_ACTIVATION_BUDGET": "0.45"},
     "donate_xla_stitch_budget_0.45": {"DONATE_XLA_STITCH": "1", "DONATE_XLA_ACTIVATION_BUDGET": "0.45"},
