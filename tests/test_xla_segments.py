@@ -157,9 +157,19 @@ def test_segmented_backward_trains_like_eager(name):
         torch.testing.assert_close(b, a, **TOL)
     for (_, a), (_, b) in zip(eager.opt_state, compiled.opt_state):
         torch.testing.assert_close(b, a, **TOL)
-    split = [r for r in donate_backend.reports() if r.backward_segments]
+    records = donate_backend.reports()
+    split = [r for r in records if r.backward_segments]
     assert split and all(2 <= r.backward_segments <= 3 for r in split)
     assert "segments (records follow)" in donate_backend.report.format_record(split[0])
+    # compiling in segments is still abstract: nothing sent while any graph or segment
+    # compiled; a split's record has no lowering of its own, each segment's has one
+    for record in records:
+        assert (record.transfers_count, record.transfers_bytes) == (0, 0), record.name
+        if record.backward_segments:
+            assert record.lowered is None, record.name
+        else:
+            assert record.lowered.transfers.ir_value_to_data == 0, record.name
+    assert len(records) - len(split) > len(split) * 2  # the segments' own records
 
 
 def test_the_switch_is_read_when_the_backward_is_built(xla_device):

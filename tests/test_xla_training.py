@@ -92,7 +92,8 @@ def test_compiling_transfers_nothing(name):
     assert {r.kind for r in records} >= {"forward", "backward", "inference"}
     for record in records:  # measured around each graph's whole compile
         assert (record.transfers_count, record.transfers_bytes) == (0, 0), record.name
-        assert record.lowered.transfers.ir_value_to_data == 0, record.name
+        if not record.backward_segments:  # a split backward's segments have their own records
+            assert record.lowered.transfers.ir_value_to_data == 0, record.name
 
 
 def test_inference_compile_transfers_nothing(xla_device):
