@@ -70,3 +70,32 @@ def test_the_mesh_path_needs_a_process_started_for_it(monkeypatch):
     monkeypatch.delenv(xla_fuzz.MESH_ENV, raising=False)
     with pytest.raises(RuntimeError, match="DONATE_XLA_FUZZ_MESH=1"):
         xla_fuzz.check(CI_SEEDS[0], path="mesh")
+
+
+def test_the_cuda_path_compares_with_eager_on_cuda_and_aot_eager_decides_upstream(monkeypatch):
+    """``--path cuda``: eager and donate_xla both on the CUDA device; a difference aot_eager
+    on CUDA does not share is a failure, one it shares is upstream. (``run`` is faked, so
+    this runs without a GPU; tests/test_native_cuda.py runs real seeds where there is one.)"""
+    scenario = xla_fuzz.generate(CI_SEEDS[0])
+    right = xla_fuzz.Run([], [([torch.zeros(2)], {})])
+    shifted = xla_fuzz.Run([], [([torch.ones(2)], {})])
+    for reference_shares, expected in ((False, "failed"), (True, "upstream")):
+        devices = []
+
+        def fake_run(scenario, device, compiled, backend="donate_xla"):
+            devices.append((device.type, compiled, backend))
+            deviates = compiled and (backend == "donate_xla" or reference_shares)
+            return shifted if deviates else right
+
+        monkeypatch.setattr(xla_fuzz, "generate", lambda seed: scenario)
+        monkeypatch.setattr(xla_fuzz, "run", fake_run)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        outcome = xla_fuzz.check(scenario.seed, path="cuda")
+        assert outcome.status == expected
+        assert devices == [("cuda", False, "donate_xla"), ("cuda", True, "donate_xla"), ("cuda", True, "aot_eager")]
+
+
+def test_the_cuda_path_without_a_gpu_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="path 'cuda' needs a CUDA device"):
+        xla_fuzz.check(CI_SEEDS[0], path="cuda")

@@ -4,7 +4,8 @@
 backward that frees saved tensors at their last use and reuses dying buffers), against
 the same eager run; that needs no torch_xla. ``--path mesh`` runs it on XLA in SPMD
 mode over a 4-device mesh, every tensor replicated (the executables lowered on real
-buffers per sharding signature).
+buffers per sharding signature). ``--path cuda`` runs the native path on a CUDA device
+against eager on that same device (``tools/gpu_check.sh``; CI has no GPU).
 
 Each scenario is generated from one seed. It holds persistent state (a module
 with parameters and buffers, optional tied weights, an optional frozen parameter
@@ -71,6 +72,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F  # noqa: F401 - used by generated code
+
+import donate_backend  # noqa: F401 - registers the backend where the package is not installed
 
 MESH_ENV = "DONATE_XLA_FUZZ_MESH"  # set by ``--path mesh`` in its worker processes
 # set by ``--mixed``: each donate_xla call on XLA runs stitched or not at random (the
@@ -619,7 +622,7 @@ def difference(scenario: Scenario, expected: Run, got: Run, who: str, tol=(RTOL,
     return None
 
 
-PATHS = ("xla", "native", "mesh")
+PATHS = ("xla", "native", "mesh", "cuda")
 
 
 def _native_compiler() -> str:
@@ -639,6 +642,8 @@ def check(seed: int, path: str = "xla") -> Outcome:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if path == "mesh" and os.environ.get(MESH_ENV) != "1":
         raise RuntimeError(f"path 'mesh' runs in a process started with {MESH_ENV}=1 (the CLI does that)")
+    if path == "cuda":
+        return _check_on_cuda(generate(seed))
     scenario = generate(seed)
     torch._dynamo.reset()
     expected = run(scenario, torch.device("cpu"), compiled=False)
@@ -682,6 +687,34 @@ def check(seed: int, path: str = "xla") -> Outcome:
         return Outcome(seed, "failed", problem, scenario.source())
     if device_eager.error is None and difference(scenario, device_eager, got, "donate_xla", (1e-5, 1e-6)) is None:
         return Outcome(seed, "numerics", f"equals eager torch_xla; eager CPU differs: {problem}", scenario.source())
+    return Outcome(seed, "failed", problem, scenario.source())
+
+
+def _check_on_cuda(scenario: Scenario) -> Outcome:
+    """donate_xla's native path on a CUDA device against eager on that device: the same
+    kernels run in both, so a difference is the freeing backward's, the buffer reuse's or
+    the executor's, unless aot_eager (or, under the Inductor executor, Inductor) on CUDA
+    shows it too."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("path 'cuda' needs a CUDA device (torch.cuda.is_available() is False)")
+    seed, device = scenario.seed, torch.device("cuda")
+    torch._dynamo.reset()
+    expected = run(scenario, device, compiled=False)
+    if expected.error is not None:
+        return Outcome(seed, "invalid", f"eager on CUDA: {type(expected.error).__name__}: {expected.error}")
+    got = run(scenario, device, compiled=True)
+    torch._dynamo.reset()
+    problem = difference(scenario, expected, got, "donate_xla")
+    if problem is None:
+        return Outcome(seed, "passed")
+    references = ("aot_eager", "inductor") if _native_compiler() == "inductor" else ("aot_eager",)
+    for backend in references:
+        reference = run(scenario, device, compiled=True, backend=backend)
+        torch._dynamo.reset()
+        deviation = difference(scenario, expected, reference, backend)
+        if deviation is not None:
+            return Outcome(seed, "upstream", f"{backend} on CUDA: {deviation}; donate_xla: {problem}",
+                           scenario.source())
     return Outcome(seed, "failed", problem, scenario.source())
 
 
@@ -740,7 +773,8 @@ def main() -> int:
     parser.add_argument(
         "--path", choices=PATHS, default="xla",
         help="xla: donate_xla on torch_xla's device; mesh: the same in SPMD mode on a 4-device "
-        "mesh, tensors replicated; native: on the CPU (its native path)",
+        "mesh, tensors replicated; native: on the CPU (its native path); cuda: the native path "
+        "on a CUDA device, against eager on that device",
     )
     parser.add_argument(
         "--mixed", action="store_true",
