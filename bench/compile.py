@@ -5,6 +5,9 @@ a fresh process, after one discarded run of each (cold file caches), the order o
 the two backends swapped every other repeat; figures are medians over the repeats. "Compiling" is every call up
 to the steady state (the first three calls), less three steady steps:
     compile_s = time(first 3 calls) - 3 * median(steady step)
+The ratio of the first three calls' wall clock (time to the steady state, nothing
+subtracted) is printed per repeat too: a backend whose steady step is faster has
+more subtracted, so the two figures can disagree (docs/benchmarks.md).
 Bytes (torch_xla's OutboundData) are printed raw: for the first three calls and
 per steady call. Inputs are on the device before the first call; what a steady
 call sends is per-call data (Adam's host `step` counters, RNG seeds). For
@@ -105,6 +108,12 @@ def main() -> None:
             f"{ours['compile_s'] / ref['compile_s']:>10.2f}"
         )
         print(f"{'  compile ratio per repeat':28}{'':>14}{'':>14}  {' '.join(f'{r:.2f}' for r in compile_ratios)}")
+        # time to the steady state: the first three calls' wall clock, nothing subtracted
+        first_ratios = sorted(
+            sum(o["warm_calls_s"]) / sum(r["warm_calls_s"]) for o, r in zip(runs["donate_xla"], runs["openxla"])
+        )
+        med["first_calls_ratios"] = first_ratios
+        print(f"{'  first 3 calls ratio/repeat':28}{'':>14}{'':>14}  {' '.join(f'{r:.2f}' for r in first_ratios)}")
         for b in ("openxla", "donate_xla"):  # in run order: which side a bad ratio came from
             seconds = " ".join(f"{run['compile_s']:.2f}" for run in runs[b])
             print(f"{'  ' + b + ' s, run order':28}{'':>28}  {seconds}")
