@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import donate_backend  # noqa: E402  (registers the backend)
-from memtrack import StorageTracker, profiler_peak_bytes  # noqa: E402
+from memtrack import StorageTracker, cuda_peak_bytes, profiler_peak_bytes  # noqa: E402
 
 MIB = 2**20
 MODELS = {
@@ -132,12 +132,7 @@ def measure(variant: str, spec: dict, device: str) -> dict:
     gc.collect()
     result = {}
     if device == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step(model, run, x)
-        torch.cuda.synchronize()
-        result["peak"] = torch.cuda.max_memory_allocated() - before
+        result["peak"] = cuda_peak_bytes(lambda: step(model, run, x))
         return result
     result["peak"] = profiler_peak_bytes(lambda: step(model, run, x))
     if variant != "inductor":

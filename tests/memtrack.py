@@ -115,3 +115,13 @@ def profiler_peak_bytes(fn: Callable[[], object]) -> int:
         level += nbytes
         peak = max(peak, level)
     return peak
+
+
+def cuda_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak of allocated bytes above the starting level while ``fn()`` runs (the CUDA allocator)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before

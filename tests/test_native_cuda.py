@@ -20,9 +20,12 @@ import torch
 import donate_backend
 import xla_fuzz
 from donate_backend import config
+from memtrack import cuda_peak_bytes
 from programs import checkpointed_program, grad_scaler_program, held_state_program, varying_batch_program
 from real_models import MODELS, available
-from test_native_real_models import STEPS, TOLERANCE, assert_history_close, max_differences, train_side_by_side
+from test_native_real_models import (
+    STEPS, TOLERANCE, assert_history_close, backward_peak, max_differences, train_side_by_side,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -67,19 +70,7 @@ class OnCuda:
 
 
 def cuda_backward_peak(spec, model, run) -> int:
-    """Forward+backward peak above the level before the forward, in allocated bytes."""
-    model.zero_grad(set_to_none=True)
-    batch = spec.batch(100)
-    spec.loss(run, batch).backward()  # compiles, if it still has to
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    spec.loss(run, batch).backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    model.zero_grad(set_to_none=True)
-    return peak
+    return backward_peak(spec, model, run, measure=cuda_peak_bytes)
 
 
 @pytest.mark.parametrize("executor", ["aten", "inductor"])
@@ -134,12 +125,8 @@ def _peak_and_grads(model, run, x):
     model.zero_grad(set_to_none=True)
     run(x).square().mean().backward()  # compiles
     model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    run(x).square().mean().backward()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before, [p.grad.clone() for p in model.parameters()]
+    peak = cuda_peak_bytes(lambda: run(x).square().mean().backward())
+    return peak, [p.grad.clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("executor", ["aten", "inductor"])

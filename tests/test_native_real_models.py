@@ -124,13 +124,14 @@ def assert_close(actual, expected, tolerance: dict, what: str) -> None:
     assert error <= bound, f"{what}: |actual - expected| = {error:.3e} > {bound:.3e} (|expected| = {scale:.3e})"
 
 
-def backward_peak(spec, model, run) -> int:
-    """Forward+backward peak above the level before the forward (profiler events)."""
+def backward_peak(spec, model, run, measure=profiler_peak_bytes) -> int:
+    """Forward+backward peak above the level before the forward (profiler events, or
+    ``measure``: memtrack.cuda_peak_bytes on a GPU)."""
     model.zero_grad(set_to_none=True)
     batch = spec.batch(100)
     spec.loss(run, batch).backward()  # compiles, if it still has to
     model.zero_grad(set_to_none=True)
-    peak = profiler_peak_bytes(lambda: spec.loss(run, batch).backward())
+    peak = measure(lambda: spec.loss(run, batch).backward())
     model.zero_grad(set_to_none=True)
     return peak
 
