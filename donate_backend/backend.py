@@ -28,8 +28,10 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 
 from . import config
+from .analysis import stale_reads
 from .analysis.mutation import dynamo_input_roles
 from .errors import DonateXlaError
+from .hidden_mutations import rewrite_hidden_writes
 
 _graph_ids = itertools.count()
 
@@ -127,6 +129,7 @@ def donate_xla(gm: torch.fx.GraphModule, example_inputs, **compile_arguments):
     check_compile_arguments(graph_id, **compile_arguments)
     path = _path_module(graph_device_type(example_inputs), graph_id, example_inputs)
     path.check_dynamo_graph(gm, example_inputs, graph_id)
+    rewrite_hidden_writes(gm)
     path.prepare_dynamo_graph(gm)
     roles = dynamo_input_roles(gm, example_inputs)
     captured = path.capture(gm, example_inputs)  # here: inside dynamo, before aot_autograd
@@ -138,4 +141,20 @@ def donate_xla(gm: torch.fx.GraphModule, example_inputs, **compile_arguments):
         keep_inference_input_mutations=True,
     )
     aot_options.update(path.aot_options())
+    if "partition_fn" in aot_options:
+        aot_options["partition_fn"] = guard_stale_reads(aot_options["partition_fn"], graph_id)
     return aot_autograd(**aot_options)(gm, example_inputs)
+
+
+def guard_stale_reads(partition_fn: Callable, graph_id: int) -> Callable:
+    """``partition_fn`` that never lets the backward read an input the forward
+    overwrote (``analysis/stale_reads.py``): it saves the readers' results instead
+    of recomputing them, or refuses the graph when the backward needs the old value."""
+
+    def partition(joint, joint_inputs, **kwargs):
+        overwritten = stale_reads.pin_reads_of_overwritten_inputs(joint)
+        fw_module, bw_module = partition_fn(joint, joint_inputs, **kwargs)
+        stale_reads.check_backward_reads(fw_module, bw_module, overwritten, f"graph {graph_id}")
+        return fw_module, bw_module
+
+    return partition

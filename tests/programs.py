@@ -220,3 +220,95 @@ def held_state_program(device, compile_fn, whole_step: bool):
         [t.cpu() for t in moments],
         [t.cpu() for t in averaged.state_dict().values()],
     )
+
+
+class _CountedScale(torch.nn.Module):
+    """A buffer incremented in the forward, then read by an op the gradient needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count += 1
+        return self.w * x * self.count
+
+
+class _RunningMeanScale(torch.nn.Module):
+    """A running mean moved with ``lerp_`` under ``no_grad``, then read."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 6))
+        self.register_buffer("mean", torch.zeros(6))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.mean.lerp_(x.mean(0), 0.3)
+        return torch.tanh(self.w * x) * (self.mean + 1)
+
+
+class _ShrunkWeight(torch.nn.Module):
+    """A parameter scaled in place inside the forward (as weight clipping does), then read."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.mul_(0.9)
+        return self.lin(x).sin()
+
+
+def updated_buffer_program(device, compile_fn, whole_step: bool):
+    """Buffers and parameters a forward updates in place and reads afterwards: a
+    counter (``+=``), a running mean (``lerp_``), a weight shrunk under ``no_grad``,
+    and an ``nn.Embedding(max_norm=...)`` (its weight renormalised in place). The
+    backward must see the values the forward read, not recompute them from the
+    updated buffers. Five SGD steps; the losses and every parameter, gradient and
+    buffer after each."""
+    torch.manual_seed(0)
+    parts = torch.nn.ModuleDict({
+        "count": _CountedScale(), "mean": _RunningMeanScale(), "shrunk": _ShrunkWeight(),
+        "emb": torch.nn.Embedding(10, 6, max_norm=1.0),
+    })
+    with torch.no_grad():
+        parts["emb"].weight.mul_(3.0)  # rows well above max_norm, so renorm changes them
+    parts = parts.to(device)
+    opt = torch.optim.SGD(parts.parameters(), lr=0.05, momentum=0.5)
+
+    def forward(x, idx):
+        h = parts["count"](x) + parts["mean"](x) + parts["shrunk"](x)
+        return (h * parts["emb"](idx)).square().mean()
+
+    if whole_step:
+        def step(x, idx):
+            loss = forward(x, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        step = compile_fn(step)
+    else:
+        compiled = compile_fn(forward)
+
+        def step(x, idx):
+            loss = compiled(x, idx)
+            loss.backward()
+            grads = [p.grad.clone() for p in parts.parameters()]
+            opt.step()
+            opt.zero_grad()
+            return [loss.detach()] + grads
+
+    results = []
+    for i in range(5):
+        g = torch.Generator().manual_seed(700 + i)
+        x = torch.randn(4, 6, generator=g).to(device)
+        idx = torch.randint(0, 10, (4,), generator=g).to(device)
+        out = step(x, idx)
+        results.append([t.detach().cpu().clone() for t in (out if isinstance(out, list) else [out])])
+        results.append([t.detach().cpu().clone() for t in list(parts.parameters()) + list(parts.buffers())])
+    return results

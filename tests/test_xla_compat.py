@@ -516,3 +516,25 @@ def test_gradient_leaves_without_the_autograd_node_api_are_unknown(monkeypatch):
     _, seen = _leaves_seen_in_a_backward(-102)
     assert seen["leaves"] is None
     assert spmd.gradient_leaves(-103, 1) is None  # nothing remembered
+
+
+def test_traced_call_tells_fake_and_placeholder_arguments_from_real_ones(monkeypatch):
+    """``compat.traced_call``: fake tensors (torch's ``is_fake``, or, where that helper is
+    gone, the class name), placeholders and IR computed from them are traced calls; real
+    device tensors, pending or not, are not."""
+    import sys
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(3)
+    real = torch.ones(3, device=torch_xla.device())
+    torch_xla.sync()
+    placeholder = xla_builder.create_placeholder_tensor((3,), torch.float32)
+    assert compat.traced_call([real, fake])
+    assert compat.traced_call([real, placeholder])
+    assert compat.traced_call([real, placeholder * 2])
+    assert not compat.traced_call([real, real + 1, 2])
+    monkeypatch.setitem(sys.modules, "torch._subclasses.fake_tensor", None)  # the helper moved
+    assert compat.traced_call([real, fake])
+    assert not compat.traced_call([real])

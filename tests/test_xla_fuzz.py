@@ -30,6 +30,11 @@ FEATURES = {
     "eager read between calls": r"#\s+_ = float\(t\.norm\(\)\)",
     "torch_xla.sync() between calls": r"#\s+sync\(\)",
     "a function split into graphs": r"torch\._dynamo\.graph_break\(\)",
+    "a buffer counted up in the forward, then read": r"S\.c0 \+= 1",
+    "a running mean moved in the forward, then read": r"S\.v1\.lerp_\(",
+    "a parameter scaled in the forward under no_grad": r"S\.W[01]\.mul_\(0\.99\)",
+    "a parameter scaled through .detach()": r"S\.W[01]\.detach\(\)\.mul_\(",
+    "BatchNorm with momentum=None": r"S\.bn_avg\(",
 }
 
 

@@ -387,6 +387,43 @@ def outside_fake_tracing() -> Iterator[None]:
         yield
 
 
+def traced_call(args: Sequence) -> bool:
+    """Whether a compiled graph is being called while something traces it: with fake
+    tensors, or tensors computed from XLA placeholders, among its arguments. torch_xla's
+    ``scan`` (its ``nn.GRU``) runs the function it scans through ``aot_function`` on
+    fake tensors, then on placeholders to lower it, so a graph compiled inside that
+    function is called with no device data at all.
+
+    Costs about half a microsecond per XLA argument per call (one look-up each);
+    the IR walk runs only when an argument holds pending IR, which the call would
+    have to sync anyway.
+    """
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    subclassed = [a for a in tensors if type(a) not in _PLAIN_TENSOR_TYPES]
+    if subclassed and any(_is_fake(a) for a in subclassed):
+        return True
+    xla = [a for a in tensors if a.is_xla]
+    if not xla:
+        return False
+    if any(is_placeholder(a) for a in xla):
+        return True
+    pending = [a for a, need in zip(xla, need_materialization(xla)) if need]
+    # syncing IR computed from a placeholder would crash the process
+    return bool(pending) and any(is_placeholder(v) for v in device_data_nodes(pending)[1])
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A fake tensor, or a functional wrapper of one."""
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # the API moved: compare class names instead
+        return type(t).__name__ in ("FakeTensor", "FunctionalTensor")
+    return is_fake(t)
+
+
 # -- compiling ---------------------------------------------------------------------------
 
 def graph_hash(tensors: Sequence[torch.Tensor]) -> bytes:

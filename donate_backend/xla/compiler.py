@@ -170,15 +170,20 @@ class SwitchAwareExecutable:
     """The boxed callable aot_autograd gets: the ``XlaExecutable`` built for the
     switches in force."""
 
-    def __init__(self, builds: BuildsPerSetting):
+    def __init__(self, builds: BuildsPerSetting, graph: torch.fx.GraphModule):
         # An instance attribute: dynamo's disable() wrapper copies __dict__ only.
         self._boxed_call = True
         self._builds = builds
+        self._graph = graph
 
     def executable(self) -> XlaExecutable:
         return self._builds.current()
 
     def __call__(self, args):
+        if compat.traced_call(args):
+            # traced, not run (torch_xla's scan traces its body with aot_function on fake
+            # tensors): the graph's own ops, recorded by whoever traces, as aot_eager would
+            return self._graph(*args)
         # under torch_xla's eager mode too, the call's own IR (copies, write-backs, a
         # stitched step) stays lazy: run op by op, a clone would share its source's buffer
         with compat.lazy_mode():
@@ -343,6 +348,6 @@ def compile_graph(gm, example_inputs, ctx):
             )
         return executable_for(settings)
 
-    executable = SwitchAwareExecutable(BuildsPerSetting(build))
+    executable = SwitchAwareExecutable(BuildsPerSetting(build), gm)
     executable.executable()  # compile now (dynamic shapes, SPMD: at the first call), under the switches in force
     return executable

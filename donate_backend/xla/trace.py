@@ -66,6 +66,8 @@ _CRASH_ON_PLACEHOLDERS = frozenset({
     "aten::complex",
     "aten::polar",
     "aten::_batch_norm_with_update_functional",  # a direct call (nn.BatchNorm takes another op)
+    "aten::embedding_renorm",  # nn.Embedding(max_norm=...): the weight renormalised in place
+    "aten::embedding_renorm_",
 })
 
 
