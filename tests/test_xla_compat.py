@@ -520,8 +520,9 @@ def test_gradient_leaves_without_the_autograd_node_api_are_unknown(monkeypatch):
 
 def test_traced_call_tells_fake_and_placeholder_arguments_from_real_ones(monkeypatch):
     """``compat.traced_call``: fake tensors (torch's ``is_fake``, or, where that helper is
-    gone, the class name), placeholders and IR computed from them are traced calls; real
-    device tensors, pending or not, are not."""
+    gone, the class name) are traced calls anywhere; placeholders and IR computed from
+    them only inside torch_xla's scan (elsewhere a result still being computed looks like
+    a placeholder); real device tensors never."""
     import sys
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -530,11 +531,13 @@ def test_traced_call_tells_fake_and_placeholder_arguments_from_real_ones(monkeyp
         fake = torch.empty(3)
     real = torch.ones(3, device=torch_xla.device())
     torch_xla.sync()
+    compat.wait_device_ops()
     placeholder = xla_builder.create_placeholder_tensor((3,), torch.float32)
     assert compat.traced_call([real, fake])
+    assert not compat.traced_call([real, real + 1, placeholder, 2])  # not inside scan
+    monkeypatch.setattr(compat, "_inside_torch_xla_scan", lambda: True)
     assert compat.traced_call([real, placeholder])
     assert compat.traced_call([real, placeholder * 2])
-    assert not compat.traced_call([real, real + 1, 2])
+    assert not compat.traced_call([real, real])
     monkeypatch.setitem(sys.modules, "torch._subclasses.fake_tensor", None)  # the helper moved
     assert compat.traced_call([real, fake])
-    assert not compat.traced_call([real])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -388,28 +389,67 @@ def outside_fake_tracing() -> Iterator[None]:
 
 
 def traced_call(args: Sequence) -> bool:
-    """Whether a compiled graph is being called while something traces it: with fake
-    tensors, or tensors computed from XLA placeholders, among its arguments. torch_xla's
-    ``scan`` (its ``nn.GRU``) runs the function it scans through ``aot_function`` on
-    fake tensors, then on placeholders to lower it, so a graph compiled inside that
-    function is called with no device data at all.
+    """Whether a compiled graph is being called while something traces it rather than
+    runs it: with fake tensors among its arguments, or from inside torch_xla's ``scan``
+    with placeholders or IR computed from them. ``scan`` (torch_xla's ``nn.GRU``) runs
+    the function it scans through ``aot_function`` on fake tensors, then on placeholders
+    to lower it, so a graph compiled inside that function is called with no device data.
 
-    Costs about half a microsecond per XLA argument per call (one look-up each);
-    the IR walk runs only when an argument holds pending IR, which the call would
-    have to sync anyway.
+    Placeholders are recognised only inside ``scan``, their one maker here: elsewhere a
+    tensor whose execution is still in flight looks the same to torch_xla, and reading
+    an IR's device data re-tags the buffers it finds. Costs a stack walk per call.
     """
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     subclassed = [a for a in tensors if type(a) not in _PLAIN_TENSOR_TYPES]
     if subclassed and any(_is_fake(a) for a in subclassed):
         return True
     xla = [a for a in tensors if a.is_xla]
-    if not xla:
+    if not xla or not _inside_torch_xla_scan():
         return False
-    if any(is_placeholder(a) for a in xla):
-        return True
-    pending = [a for a, need in zip(xla, need_materialization(xla)) if need]
-    # syncing IR computed from a placeholder would crash the process
-    return bool(pending) and any(is_placeholder(v) for v in device_data_nodes(pending)[1])
+    need = need_materialization(xla)
+    return any(need) or any(_holds_placeholder(a) for a in xla)
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A fake tensor, or a functional wrapper of one."""
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # the API moved: compare class names instead
+        return type(t).__name__ in ("FakeTensor", "FunctionalTensor")
+    return is_fake(t)
+
+
+def _holds_placeholder(t: torch.Tensor) -> bool:
+    """``is_placeholder``, False for a tensor that holds no device buffer at all (a value
+    still on the host, or one a stitched step will produce): torch_xla's check fails there."""
+    try:
+        return is_placeholder(t)
+    except RuntimeError:
+        return False
+
+
+def _inside_torch_xla_scan() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_SCAN_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_SCAN_FILE = os.path.join("torch_xla", "experimental", "scan.py")
+
+
+def _holds_placeholder(t: torch.Tensor) -> bool:
+    """``is_placeholder``, False for a tensor that holds no device buffer at all (a value
+    still on the host, or one a stitched step will produce): torch_xla's check fails there."""
+    try:
+        return is_placeholder(t)
+    except RuntimeError:
+        return False
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
