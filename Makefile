@@ -33,27 +33,25 @@ $(NEWEST_STAMP): pyproject.toml requirements-newest.txt
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
-# Both environments at once (installs too), each suite on two pytest-xdist workers: the
-# tests are mostly single-threaded Python (dynamo, aot_autograd, tracing), so a 2-core
-# machine runs about twice as much at a time. `-O` keeps each suite's output together.
-JOBS ?= 2
-XDIST := -n $(JOBS)
+# The two environments install at once (downloads and unpacking, not CPU, bound them); the
+# suites then run one after the other: run side by side on a 2-core machine, XLA's compile
+# threads and the DDP ranks of both suites slowed each other to more than their sum.
 test:
-	$(MAKE) --no-print-directory -j2 -O test-xla test-newest
+	$(MAKE) --no-print-directory -j2 $(STAMP) $(NEWEST_STAMP)
+	$(MAKE) --no-print-directory test-xla
+	$(MAKE) --no-print-directory test-newest
 
-# Separate processes: XLA:CPU maps memory for every kernel of every executable torch_xla
-# keeps, and the real models compile enough graphs to push one process past donate_xla's
-# memory-mapping guard (docs/xla.md, "memory mappings"). Tests go to the workers one by one
-# (`--dist loadgroup`); a file whose module fixture does the work for all its tests is one
-# group (`pytest.mark.xdist_group`), so the fixture runs once.
+# Three processes: XLA:CPU maps memory for every kernel of every executable torch_xla keeps,
+# and the real models compile enough graphs to push one process past donate_xla's
+# memory-mapping guard (docs/xla.md, "memory mappings").
 test-xla: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) --dist loadgroup tests/test_xla_real_models.py -k "not segments"
-	$(PY) -m pytest -q $(XDIST) --dist loadgroup tests/test_xla_real_models.py -k segments
-	$(PY) -m pytest -q $(XDIST) --dist loadgroup tests --ignore=tests/test_xla_real_models.py
+	$(PY) -m pytest -q tests/test_xla_real_models.py -k "not segments"
+	$(PY) -m pytest -q tests/test_xla_real_models.py -k segments
+	$(PY) -m pytest -q tests --ignore=tests/test_xla_real_models.py
 
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__, "(no torch_xla)")'
-	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadgroup tests
+	$(NEWEST_PY) -m pytest -q tests
 
 # Differential fuzzing of the XLA path against eager PyTorch (about 1 s a scenario).
 FUZZ_COUNT ?= 2000

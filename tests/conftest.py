@@ -52,8 +52,6 @@ def pytest_terminal_summary(terminalreporter):
     """The process's memory mappings at the end (docs/xla.md, "memory mappings"): XLA:CPU
     maps memory for every kernel torch_xla keeps, and donate_xla refuses to compile
     from 80 % of the limit, so a suite that grows past it fails in whichever test is next."""
-    if getattr(terminalreporter.config.option, "numprocesses", None):
-        return  # pytest-xdist's controller runs no test: its own count says nothing
     if HAS_TORCH_XLA:
         from donate_backend.xla.mappings import mapping_count, mapping_limit
 

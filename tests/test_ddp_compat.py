@@ -21,13 +21,9 @@ from donate_backend.ddp import compat, eligibility, integration, writer
 from donate_backend.ddp.state import WriteCounts
 from donate_backend.errors import DonateXlaError
 
-pytestmark = [
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
-    ),
-    # one xdist worker runs the whole file: its module fixture trains once for every test
-    pytest.mark.xdist_group("test_ddp_compat"),
-]
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 
 # ---- guards on plain objects ----------------------------------------------------

@@ -19,13 +19,9 @@ import torch.distributed as dist
 from ddp_harness import run_jobs, train
 from real_models import MODELS, available
 
-pytestmark = [
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
-    ),
-    # one xdist worker runs the whole file: its module fixture trains once for every test
-    pytest.mark.xdist_group("test_ddp_real_models"),
-]
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 NAMES = [name for name in sorted(MODELS) if available(name)]
 

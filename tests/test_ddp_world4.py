@@ -18,13 +18,9 @@ import torch.distributed as dist
 from ddp_harness import run_jobs, train
 from test_ddp import assert_equal_and_aliased, assert_equal_on_every_rank, steady
 
-pytestmark = [
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
-    ),
-    # one xdist worker runs the whole file: its module fixture trains once for every test
-    pytest.mark.xdist_group("test_ddp_world4"),
-]
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 CLOSE = {"exact": False, "tolerance": {"rtol": 1e-5, "atol": 1e-7}}
 
