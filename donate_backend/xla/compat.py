@@ -443,27 +443,6 @@ def _inside_torch_xla_scan() -> bool:
 _SCAN_FILE = os.path.join("torch_xla", "experimental", "scan.py")
 
 
-def _holds_placeholder(t: torch.Tensor) -> bool:
-    """``is_placeholder``, False for a tensor that holds no device buffer at all (a value
-    still on the host, or one a stitched step will produce): torch_xla's check fails there."""
-    try:
-        return is_placeholder(t)
-    except RuntimeError:
-        return False
-
-
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    """A fake tensor, or a functional wrapper of one."""
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-    except ImportError:  # the API moved: compare class names instead
-        return type(t).__name__ in ("FakeTensor", "FunctionalTensor")
-    return is_fake(t)
-
-
 # -- compiling ---------------------------------------------------------------------------
 
 def graph_hash(tensors: Sequence[torch.Tensor]) -> bytes:
