@@ -1,6 +1,7 @@
 """Worker side of the multi-process DDP tests (importable for ``mp.spawn``).
 
-Each worker joins an N-rank gloo group on 127.0.0.1 and runs a list of *jobs*.
+Each worker joins an N-rank gloo group on 127.0.0.1 and runs the lists of *jobs*
+the parent sends it (tests/ddp_harness.py keeps the group from test to test).
 A job trains eager DDP and ``torch.compile(ddp, backend="donate_xla")`` from
 the same initial weights and data through the same *program* (a list of
 steps), snapshots every parameter and ``.grad`` after every step, and puts one
@@ -356,9 +357,14 @@ def compare(eager, compiled, exact: bool, tolerance=None) -> list:
 def _run_job(rank: int, job: dict) -> dict:
     from donate_backend import config, report
 
+    from donate_backend.ddp import integration
+
     capture = LogCapture()
     logger = logging.getLogger("donate_xla")
     report.clear_reports()
+    # as in a fresh process: a message logged once per process (keyed by a module's id,
+    # which a later job's module may reuse) is logged again for this job
+    integration._logged.clear()
     torch._dynamo.reset()
     eager, eager_seen, _ = _train(False, rank, job)
     torch._dynamo.reset()
@@ -395,13 +401,21 @@ def _run_job(rank: int, job: dict) -> dict:
     }
 
 
-def jobs_worker(rank, world_size, port, jobs, queue):
-    """Run every job on this rank; one queue entry per job (or one error entry)."""
+def serve(rank, world_size, port, inboxes, queue):
+    """A rank that stays in its group from test to test: it runs each list of jobs the
+    parent puts in its inbox (one queue entry per job) until it gets ``None``. After a
+    failure it reports it (one error entry) and leaves: the ranks may be out of step,
+    so the parent starts another group."""
     try:
         _init(rank, world_size, port)
-        for job in jobs:
-            queue.put(_run_job(rank, job))
-            dist.barrier()
+        inbox = inboxes[rank]
+        while True:
+            jobs = inbox.get()
+            if jobs is None:
+                break
+            for job in jobs:
+                queue.put(_run_job(rank, job))
+                dist.barrier()
         dist.destroy_process_group()
     except Exception:  # report the failure to the parent instead of hanging it
         queue.put({"rank": rank, "error": traceback.format_exc()})
