@@ -18,6 +18,8 @@ gets a loose loss check only.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -76,6 +78,13 @@ def _train(name: str, compile_how: str | None, backend: str = "donate_xla", chec
     return torch.stack(losses).cpu(), {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
+@functools.lru_cache(maxsize=None)
+def _eager(name: str):
+    """The eager torch_xla run of a model, shared by every test of the process that
+    compares with it (it is deterministic: the same weights, data and device)."""
+    return _train(name, None)
+
+
 CASES = [(name, "model") for name in MODELS] + [
     (name, how) for how in ("step", "stitched", "segments") for name in MODELS if name != "resnet18"
 ]
@@ -93,7 +102,7 @@ SWITCHES = {
 def test_real_model_trains_like_eager_on_xla(name, compile_how):
     if not available(name):
         pytest.skip(f"{MODELS[name].package} is not installed")
-    eager_losses, eager_params = _train(name, None)
+    eager_losses, eager_params = _eager(name)
     ref_losses, ref_params = eager_losses, eager_params
     if name in CHAOTIC:
         assert compile_how == "model"
@@ -122,6 +131,18 @@ def test_real_model_trains_like_eager_on_xla(name, compile_how):
         torch.testing.assert_close(params[n], p, **PARAM_TOL, msg=lambda m: f"{name} parameter {n}: {m}")
 
 
+def _saved_bytes() -> int:
+    return sum(r.saved_bytes or 0 for r in donate_backend.reports() if r.kind == "forward")
+
+
+@functools.lru_cache(maxsize=None)
+def _saved_bytes_without_checkpointing() -> int:
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    _train("gpt2", "model")
+    return _saved_bytes()
+
+
 @pytest.mark.skipif(not available("gpt2"), reason="transformers is not installed")
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_gpt2_with_gradient_checkpointing_trains_like_eager_without_it(use_reentrant):
@@ -130,18 +151,12 @@ def test_gpt2_with_gradient_checkpointing_trains_like_eager_without_it(use_reent
     torch_xla without checkpointing, which computes the same values (eager torch_xla 2.9
     cannot run it with checkpointing: ``torch.utils.checkpoint`` looks for a
     ``torch.xla`` module). The forward saves less than without checkpointing."""
-    def saved_bytes():
-        return sum(r.saved_bytes or 0 for r in donate_backend.reports() if r.kind == "forward")
-
-    eager_losses, eager_params = _train("gpt2", None)
-    torch._dynamo.reset()
-    donate_backend.clear_reports()
-    _train("gpt2", "model")
-    plain = saved_bytes()
+    eager_losses, eager_params = _eager("gpt2")
+    plain = _saved_bytes_without_checkpointing()
     torch._dynamo.reset()
     donate_backend.clear_reports()
     losses, params = _train("gpt2", "model", checkpointing={"use_reentrant": use_reentrant})
-    assert 0 < saved_bytes() < plain, (saved_bytes(), plain)  # the blocks are recomputed
+    assert 0 < _saved_bytes() < plain, (_saved_bytes(), plain)  # the blocks are recomputed
     torch.testing.assert_close(losses, eager_losses, **LOSS_TOL)
     for n, p in eager_params.items():
         torch.testing.assert_close(params[n], p, **PARAM_TOL, msg=lambda m: f"gpt2 parameter {n}: {m}")
