@@ -41,17 +41,24 @@ test:
 	$(MAKE) --no-print-directory test-xla
 	$(MAKE) --no-print-directory test-newest
 
-# Three processes: XLA:CPU maps memory for every kernel of every executable torch_xla keeps,
-# and the real models compile enough graphs to push one process past donate_xla's
-# memory-mapping guard (docs/xla.md, "memory mappings").
+# Three processes.
+# - The real models: XLA:CPU maps memory for every kernel of every executable torch_xla keeps,
+#   and they compile enough graphs to push a process with the default cache (2048 executables)
+#   past donate_xla's memory-mapping guard (docs/xla.md, "memory mappings"); with a smaller
+#   cache, evicted executables give their mappings back, so all of them share one process (and
+#   one eager reference run per model).
+# - torch_xla's own layers (its scan-based GRU): after the rest of the suite in one process, the
+#   first sync of all live tensors in the test after them died with a segmentation fault inside
+#   XLA's execution (not reproduced with any part of the suite before them); alone they pass.
+LAYERS := tests/test_xla_torch_xla_layers.py
 test-xla: $(STAMP)
-	$(PY) -m pytest -q tests/test_xla_real_models.py -k "not segments"
-	$(PY) -m pytest -q tests/test_xla_real_models.py -k segments
-	$(PY) -m pytest -q tests --ignore=tests/test_xla_real_models.py
+	XLA_COMPILATION_CACHE_SIZE=256 $(PY) -m pytest -q --durations=10 tests/test_xla_real_models.py
+	$(PY) -m pytest -q --durations=10 tests --ignore=tests/test_xla_real_models.py --ignore=$(LAYERS)
+	$(PY) -m pytest -q $(LAYERS)
 
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__, "(no torch_xla)")'
-	$(NEWEST_PY) -m pytest -q tests
+	$(NEWEST_PY) -m pytest -q --durations=10 tests
 
 # Differential fuzzing of the XLA path against eager PyTorch (about 1 s a scenario).
 FUZZ_COUNT ?= 2000

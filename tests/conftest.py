@@ -56,3 +56,15 @@ def pytest_terminal_summary(terminalreporter):
         from donate_backend.xla.mappings import mapping_count, mapping_limit
 
         terminalreporter.write_line(f"memory mappings at the end: {mapping_count()} of {mapping_limit()}")
+
+
+_TIMES = os.environ.get("DONATE_XLA_TEST_TIMES")
+
+
+def pytest_runtest_logreport(report):
+    """With ``DONATE_XLA_TEST_TIMES=path``, each test's set-up, call and tear-down times
+    are appended to ``path`` as they finish (``--durations`` prints nothing for a run
+    that dies on its way)."""
+    if _TIMES:
+        with open(_TIMES, "a") as times:
+            times.write(f"{report.duration:.2f} {report.when} {report.nodeid}\n")
