@@ -74,7 +74,17 @@ fuzz-native: $(STAMP) $(NEWEST_STAMP)
 	$(PY) tests/xla_fuzz.py --path native --count $(FUZZ_COUNT) --out fuzz-native-results.json
 	$(NEWEST_PY) tests/xla_fuzz.py --path native --count $(FUZZ_COUNT) --out fuzz-native-newest-results.json
 
-bench: $(STAMP) $(NEWEST_STAMP)
+# JAX for the benchmarks' JAX rows, in an environment of its own: torch_xla imports JAX where it
+# is installed (its builder and Pallas kernels), so it stays out of .venv.
+JAX_VENV := .venv-jax
+JAX_STAMP := $(JAX_VENV)/.installed
+$(JAX_STAMP): requirements-jax.txt
+	rm -rf $(JAX_VENV)
+	$(PYTHON) -m venv $(JAX_VENV)
+	$(JAX_VENV)/bin/python -m pip install --quiet -r requirements-jax.txt
+	touch $(JAX_STAMP)
+
+bench: $(STAMP) $(NEWEST_STAMP) $(JAX_STAMP)
 	$(PY) bench/compile.py
 	$(PY) bench/donation.py
 	$(PY) bench/dispatch.py

@@ -34,7 +34,10 @@ XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false), donate_xla_se
 activations as it goes), donate_xla_segments_budget_0.8 and _0.7 (that and the
 activation budget), openxla, openxla
 with every state buffer flagged for donation by hand, lazy (plain torch_xla: no torch.compile, torch_xla.sync() per step) and
-lazy_sched (lazy with the memory-minimising scheduler). `--backends` runs a subset.
+lazy_sched (lazy with the memory-minimising scheduler), and on the GPT jax and jax_remat
+(JAX's whole-step jit with donate_argnums, from the same weights, plain and with each block
+under jax.checkpoint: bench/jax_gpt.py; skipped without a JAX environment). `--backends`
+runs a subset.
 The floor is what a step must hold at its peak however it is compiled: the
 gradients plus the activations saved for backward, measured as the bytes of
 donate_xla's backward inputs that are neither parameters nor incoming
@@ -53,8 +56,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 BACKENDS = (
     "donate_xla", "donate_xla_stitch", "donate_xla_budget", "donate_xla_budget_0.45", "donate_xla_stitch_budget_0.45",
     "donate_xla_budget_sched", "donate_xla_segments", "donate_xla_segments_budget_0.8", "donate_xla_segments_budget_0.7",
-    "openxla", "openxla_flagged", "lazy", "lazy_sched",
+    "openxla", "openxla_flagged", "lazy", "lazy_sched", "jax", "jax_remat",
 )
+# JAX's whole-step jit with donate_argnums (bench/jax_gpt.py), on the GPT only: plain, and with
+# each block under jax.checkpoint
+JAX_ROWS = {"jax": [], "jax_remat": ["--remat"]}
+JAX_MODEL = "gpt6x512_adamw"
+HERE = os.path.dirname(os.path.abspath(__file__))
 MEMORY_SCHEDULER = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
 # variants: the switches they run under (set before the XLA client starts)
 VARIANTS = {
@@ -96,7 +104,55 @@ def saved_activations_of_compiled_backwards() -> int:
     )
 
 
+def jax_python():
+    """The interpreter of the JAX environment (``make bench`` creates ``.venv-jax`` from
+    ``requirements-jax.txt``; ``DONATE_XLA_JAX_PYTHON`` names another), or None."""
+    path = os.environ.get("DONATE_XLA_JAX_PYTHON") or os.path.join(HERE, "..", ".venv-jax", "bin", "python")
+    return path if os.path.exists(path) else None
+
+
+def jax_worker(model_name: str, backend: str, steps: int) -> dict:
+    """The JAX row: the torch model's initial weights and batch (as ``build`` makes them) go to
+    ``bench/jax_gpt.py`` in the JAX environment, which must give the same parameter count and,
+    on the CPU, the same first loss as torch within 1e-4."""
+    import subprocess
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from xla_common import MODELS
+
+    spec = MODELS[model_name]
+    torch.manual_seed(0)
+    model = spec["make"]()
+    x, y = spec["batch"]()
+    with torch.no_grad():
+        torch_loss = float(spec["loss"](model(x), y))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "weights.npz")
+        np.savez(path, x=x.numpy(), y=y.numpy(),
+                 **{f"param:{n}": p.detach().numpy() for n, p in model.named_parameters()})
+        command = [jax_python(), os.path.join(HERE, "jax_gpt.py"), path, "--steps", str(steps), *JAX_ROWS[backend]]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=1200,
+                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    torch_params = sum(p.numel() for p in model.parameters())
+    if result["params"] != torch_params or abs(result["first_loss"] - torch_loss) > 1e-4:
+        raise RuntimeError(
+            f"the JAX GPT does not match the torch one: {result['params']} parameters against "
+            f"{torch_params}, first loss {result['first_loss']:.6f} against {torch_loss:.6f}"
+        )
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return dict(result, model=model_name, backend=backend, torch_first_loss=torch_loss,
+                grad_bytes=grad_bytes, saved_bytes=None)
+
+
 def worker(model_name: str, backend: str, steps: int) -> dict:
+    if backend in JAX_ROWS:
+        return jax_worker(model_name, backend, steps)
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -231,10 +287,15 @@ def main() -> None:
     if unknown or not {"donate_xla", "openxla"} <= set(backends):
         parser.error(f"rows {backends}: donate_xla and openxla are needed (the floor, the ratios); "
                      f"choose from {', '.join(BACKENDS)}")
+    if set(backends) & set(JAX_ROWS) and jax_python() is None:
+        print("JAX rows skipped: no JAX environment (`make bench` creates .venv-jax from "
+              "requirements-jax.txt; DONATE_XLA_JAX_PYTHON names another interpreter)")
+        backends = [b for b in backends if b not in JAX_ROWS]
     rows, summary = [], []
     for model_name in args.models.split(","):
+        rows_here = [b for b in backends if b not in JAX_ROWS or model_name == JAX_MODEL]
         runs_by_allocator = {
-            allocator: run_repeated(__file__, model_name, backends, args.repeats, "--steps", str(args.steps), env=env)
+            allocator: run_repeated(__file__, model_name, rows_here, args.repeats, "--steps", str(args.steps), env=env)
             for allocator, env in ALLOCATORS.items()
         }
         first = runs_by_allocator["live"]["donate_xla"][0]

@@ -8,16 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import threading
-import time
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from measure import RssSampler, current_rss, median  # noqa: F401  (the benchmarks import them from here)
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
@@ -126,47 +125,6 @@ def state_tensors(model, opt) -> list:
         for p in group["params"]:
             out += [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     return out
-
-
-def current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class RssSampler:
-    """Samples this process's resident set size every ``interval`` seconds."""
-
-    def __init__(self, interval=0.005):
-        self.interval = interval
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        start = time.perf_counter()
-        while not self._stop.is_set():
-            self.samples.append((time.perf_counter() - start, current_rss()))
-            time.sleep(self.interval)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def peak(self) -> int:
-        return max(r for _, r in self.samples)
-
-    @property
-    def trough(self) -> int:
-        return min(r for _, r in self.samples)
-
-
-def median(values) -> float:
-    return statistics.median(values)
 
 
 def run_worker(script: str, *args: str, timeout: int = 1200, env: Optional[dict] = None) -> dict:
