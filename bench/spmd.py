@@ -1,6 +1,6 @@
 """Sharded training on 4 CPU devices (SPMD): donate_xla vs openxla vs eager SPMD.
 
-A GPT (6 layers, width 512, about 23M parameters) with FSDP-style sharding:
+A GPT (6 layers, width 512, 27.4M parameters) with FSDP-style sharding:
 every parameter sharded on dim 0 over a 4-device mesh, the batch on the same
 axis, AdamW. Each backend runs `--repeats` times, interleaved, each in a fresh
 process with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 and MALLOC_MMAP_THRESHOLD_=65536

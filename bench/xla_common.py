@@ -61,7 +61,7 @@ def _unchanged(t):
 
 
 class SmallGPT(nn.Module):
-    """6 layers, width 512, vocabulary 8192: about 23M parameters.
+    """6 layers, width 512, vocabulary 8192: 27.4M parameters.
 
     ``constrain`` (identity by default) is applied to the residual stream after
     the embedding and after each attention and MLP residual, and to the logits:
