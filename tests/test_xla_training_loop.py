@@ -22,6 +22,9 @@ Each mode runs in a process of its own (this file as a script): XLA:CPU maps
 memory for every kernel it compiles, torch_xla keeps every executable, and
 this loop compiles many graphs; in the suite's one process it took the
 process past the kernel's limit on memory mappings (``vm.max_map_count``).
+
+``make test`` runs the ``step`` mode (about 4 minutes on the CI machine); ``make test-slow``
+runs the other four.
 """
 from __future__ import annotations
 
