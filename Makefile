@@ -50,8 +50,8 @@ test:
 # - torch_xla's own layers (its scan-based GRU): after the rest of the suite in one process, the
 #   first sync of all live tensors in the test after them died with a segmentation fault inside
 #   XLA's execution (not reproduced with any part of the suite before them); alone they pass.
-# - The training loop of tests/test_xla_training_loop.py takes about 4 minutes a mode on the CI
-#   machine: `make test` runs the whole step compiled; `make test-slow` runs the other modes
+# - The training loop of tests/test_xla_training_loop.py takes about 4 minutes a mode on a 2-core
+#   machine (clean-clone run): `make test` runs the whole step compiled; `make test-slow` runs the other modes
 #   (budget, stitched, segments, model only).
 LAYERS := tests/test_xla_torch_xla_layers.py
 LOOP := tests/test_xla_training_loop.py::test_training_loop_with_accumulation_clipping_schedule_eval_and_checkpoint

@@ -23,7 +23,7 @@ memory for every kernel it compiles, torch_xla keeps every executable, and
 this loop compiles many graphs; in the suite's one process it took the
 process past the kernel's limit on memory mappings (``vm.max_map_count``).
 
-``make test`` runs the ``step`` mode (about 4 minutes on the CI machine); ``make test-slow``
+``make test`` runs the ``step`` mode (about 4 minutes on a 2-core machine); ``make test-slow``
 runs the other four.
 """
 from __future__ import annotations
