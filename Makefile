@@ -52,18 +52,23 @@ test:
 #   XLA's execution (not reproduced with any part of the suite before them); alone they pass.
 # - The training loop of tests/test_xla_training_loop.py takes about 4 minutes a mode on a 2-core
 #   machine (clean-clone run): `make test` runs the whole step compiled; `make test-slow` runs the other modes
-#   (budget, stitched, segments, model only).
+#   (budget, stitched, segments, model only) and the SPMD real models below.
 LAYERS := tests/test_xla_torch_xla_layers.py
 LOOP := tests/test_xla_training_loop.py::test_training_loop_with_accumulation_clipping_schedule_eval_and_checkpoint
 SLOW_LOOP_MODES := step-budget step-stitched step-segments model
+# and two of the three real models trained on a 4-device mesh (a few minutes each; GPT-2 stays)
+SPMD := tests/test_xla_spmd.py::test_real_model_sharded_fsdp_style_trains_like_eager_spmd
+SLOW_SPMD := llama-model t5-step
 test-xla: $(STAMP)
 	XLA_COMPILATION_CACHE_SIZE=256 $(PY) -m pytest -q --durations=10 tests/test_xla_real_models.py
 	$(PY) -m pytest -q --durations=10 tests --ignore=tests/test_xla_real_models.py --ignore=$(LAYERS) \
-		$(foreach mode,$(SLOW_LOOP_MODES),--deselect '$(LOOP)[$(mode)]')
+		$(foreach mode,$(SLOW_LOOP_MODES),--deselect '$(LOOP)[$(mode)]') \
+		$(foreach case,$(SLOW_SPMD),--deselect '$(SPMD)[$(case)]')
 	$(PY) -m pytest -q $(LAYERS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q $(foreach mode,$(SLOW_LOOP_MODES),'$(LOOP)[$(mode)]')
+	$(PY) -m pytest -q $(foreach mode,$(SLOW_LOOP_MODES),'$(LOOP)[$(mode)]') \
+		$(foreach case,$(SLOW_SPMD),'$(SPMD)[$(case)]')
 
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__, "(no torch_xla)")'
