@@ -121,12 +121,10 @@ def jax_worker(model_name: str, backend: str, steps: int) -> dict:
     import numpy as np
     import torch
 
-    from xla_common import MODELS
+    from xla_common import MODELS, build
 
     spec = MODELS[model_name]
-    torch.manual_seed(0)
-    model = spec["make"]()
-    x, y = spec["batch"]()
+    model, _, _, (x, y) = build(model_name, torch.device("cpu"))  # the torch rows' weights and batch
     with torch.no_grad():
         torch_loss = float(spec["loss"](model(x), y))
     with tempfile.TemporaryDirectory() as tmp:
