@@ -4,7 +4,7 @@ tests/test_xla_real_models.py trains real models with the plainest loop. Here
 the loop does what training scripts around a model usually do, all in one
 program so the idioms meet: gradient accumulation over two micro-batches,
 ``clip_grad_norm_``, an LR scheduler stepped outside the compiled step (a new
-learning rate every step), a compiled evaluation under ``torch.no_grad()`` in
+learning rate every step, held in a tensor), a compiled evaluation under ``torch.no_grad()`` in
 ``eval()`` mode between training steps, ``zero_grad(set_to_none=False)`` on odd
 steps, and a checkpoint: state dicts copied to the host after step 1 and
 loaded back (``load_state_dict`` copies into the parameters and optimizer state
@@ -72,7 +72,9 @@ def _loop(mode):
     device = torch_xla.device()
     torch.manual_seed(0)
     model = real.build().to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    # the learning rate as a tensor, as docs/trainers.md recommends: the scheduler writes a new
+    # value into it every step, and the compiled step reads it instead of recompiling for it
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(LR))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     forward = torch.compile(model, backend="donate_xla") if mode == "model" else model
 
