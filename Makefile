@@ -41,18 +41,21 @@ test:
 	$(MAKE) --no-print-directory test-xla
 	$(MAKE) --no-print-directory test-newest
 
-# Three processes.
+# Each suite runs on TEST_WORKERS pytest-xdist workers (2: CI's cores).
 # - The real models: XLA:CPU maps memory for every kernel of every executable torch_xla keeps,
 #   and they compile enough graphs to push a process with the default cache (2048 executables)
 #   past donate_xla's memory-mapping guard (docs/xla.md, "memory mappings"); with a smaller
-#   cache, evicted executables give their mappings back, so all of them share one process (and
-#   one eager reference run per model).
+#   cache, evicted executables give their mappings back. A model's cases share a worker (one
+#   eager reference run per model).
+# - The rest: a test file's tests share a worker (its module fixtures and DDP rank group).
 # - torch_xla's own layers (its scan-based GRU): after the rest of the suite in one process, the
 #   first sync of all live tensors in the test after them died with a segmentation fault inside
 #   XLA's execution (not reproduced with any part of the suite before them); alone they pass.
-# - The training loop of tests/test_xla_training_loop.py takes about 4 minutes a mode on a 2-core
-#   machine (clean-clone run): `make test` runs the whole step compiled; `make test-slow` runs the other modes
-#   (budget, stitched, segments, model only) and the SPMD real models below.
+# - `make test-slow`: the training loop of tests/test_xla_training_loop.py in its modes other
+#   than the whole step (budget, stitched, segments, model only) and two of the three SPMD real
+#   models.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS)
 LAYERS := tests/test_xla_torch_xla_layers.py
 LOOP := tests/test_xla_training_loop.py::test_training_loop_with_accumulation_clipping_schedule_eval_and_checkpoint
 SLOW_LOOP_MODES := step-budget step-stitched step-segments model
@@ -60,8 +63,8 @@ SLOW_LOOP_MODES := step-budget step-stitched step-segments model
 SPMD := tests/test_xla_spmd.py::test_real_model_sharded_fsdp_style_trains_like_eager_spmd
 SLOW_SPMD := llama-model t5-step
 test-xla: $(STAMP)
-	XLA_COMPILATION_CACHE_SIZE=256 $(PY) -m pytest -q --durations=10 tests/test_xla_real_models.py
-	$(PY) -m pytest -q --durations=10 tests --ignore=tests/test_xla_real_models.py --ignore=$(LAYERS) \
+	XLA_COMPILATION_CACHE_SIZE=256 $(PY) -m pytest -q $(XDIST) --dist loadgroup --durations=10 tests/test_xla_real_models.py
+	$(PY) -m pytest -q $(XDIST) --dist loadfile --durations=10 tests --ignore=tests/test_xla_real_models.py --ignore=$(LAYERS) \
 		$(foreach mode,$(SLOW_LOOP_MODES),--deselect '$(LOOP)[$(mode)]') \
 		$(foreach case,$(SLOW_SPMD),--deselect '$(SPMD)[$(case)]')
 	$(PY) -m pytest -q $(LAYERS)
@@ -72,7 +75,7 @@ test-slow: $(STAMP)
 
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__, "(no torch_xla)")'
-	$(NEWEST_PY) -m pytest -q --durations=10 tests
+	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadfile --durations=10 tests
 
 # Differential fuzzing of the XLA path against eager PyTorch (about 1 s a scenario).
 FUZZ_COUNT ?= 2000

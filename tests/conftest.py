@@ -2,6 +2,14 @@
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# XLA:CPU compiles each kernel through LLVM; its optimisation passes were about a third of the
+# CPU time of a real-model test and buy nothing for kernels that run a few times on tiny
+# tensors. What donate_xla decides (the HLO, buffer assignment, input-output aliases) and the
+# values (no fast-math either way) do not depend on them. Subprocesses of the tests inherit
+# the setting; `XLA_FLAGS= pytest ...` runs with XLA's defaults, as `make fuzz` and the
+# benchmarks always do.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -48,14 +56,36 @@ def xla_device():
     return torch_xla.device()
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The process's memory mappings at the end (docs/xla.md, "memory mappings"): XLA:CPU
-    maps memory for every kernel torch_xla keeps, and donate_xla refuses to compile
-    from 80 % of the limit, so a suite that grows past it fails in whichever test is next."""
-    if HAS_TORCH_XLA:
-        from donate_backend.xla.mappings import mapping_count, mapping_limit
+_WORKER_MAPPINGS = {}  # pytest-xdist worker id -> its memory mappings at the end
 
-        terminalreporter.write_line(f"memory mappings at the end: {mapping_count()} of {mapping_limit()}")
+
+def _mappings() -> str:
+    from donate_backend.xla.mappings import mapping_count, mapping_limit
+
+    return f"{mapping_count()} of {mapping_limit()}"
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set in a pytest-xdist worker
+    if HAS_TORCH_XLA and workeroutput is not None:
+        workeroutput["memory_mappings"] = _mappings()
+
+
+def pytest_testnodedown(node, error):  # pytest-xdist, in the controller: a worker finished
+    count = getattr(node, "workeroutput", {}).get("memory_mappings")
+    if count:
+        _WORKER_MAPPINGS[node.gateway.id] = count
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each test process's memory mappings at the end (docs/xla.md, "memory mappings"):
+    XLA:CPU maps memory for every kernel torch_xla keeps, and donate_xla refuses to compile
+    from 80 % of the limit, so a suite that grows past it fails in whichever test is next."""
+    if _WORKER_MAPPINGS:
+        for worker, count in sorted(_WORKER_MAPPINGS.items()):
+            terminalreporter.write_line(f"memory mappings at the end of worker {worker}: {count}")
+    elif HAS_TORCH_XLA and not hasattr(terminalreporter.config, "workerinput"):
+        terminalreporter.write_line(f"memory mappings at the end: {_mappings()}")
 
 
 _TIMES = os.environ.get("DONATE_XLA_TEST_TIMES")
@@ -68,3 +98,8 @@ def pytest_runtest_logreport(report):
     if _TIMES:
         with open(_TIMES, "a") as times:
             times.write(f"{report.duration:.2f} {report.when} {report.nodeid}\n")
+
+
+def pytest_configure(config):
+    # pytest-xdist's grouping mark (`--dist loadgroup`), known also where xdist is not installed
+    config.addinivalue_line("markers", "xdist_group(name): tests that share a worker under pytest-xdist")
