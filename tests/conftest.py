@@ -71,7 +71,8 @@ def pytest_sessionfinish(session):
         workeroutput["memory_mappings"] = _mappings()
 
 
-def pytest_testnodedown(node, error):  # pytest-xdist, in the controller: a worker finished
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: known only where xdist is installed
+def pytest_testnodedown(node, error):  # in the controller: a worker finished
     count = getattr(node, "workeroutput", {}).get("memory_mappings")
     if count:
         _WORKER_MAPPINGS[node.gateway.id] = count
