@@ -67,7 +67,9 @@ def _path_module(device_type: str, graph_id: int, example_inputs: Sequence):
     try:
         import torch_xla  # noqa: F401  (the XLA path needs it; the native path does not)
     except ImportError as error:
-        raise DonateXlaError(_no_torch_xla_message(graph_id, example_inputs)) from error
+        raise DonateXlaError(
+            _no_torch_xla_message(graph_id, example_inputs), help_section="Refused before anything runs"
+        ) from error
     from . import xla as path
 
     return path
@@ -109,7 +111,8 @@ def check_compile_arguments(graph_id: int, mode=None, options=None, **others) ->
             f"(given: {', '.join(map(str, given))}). donate_xla's settings are read at every "
             "call from the DONATE_XLA_* environment variables or donate_backend.config.patch(...): "
             + ", ".join(f.name for f in dataclasses.fields(config.Settings))
-            + " (README, 'Switches'). Call torch.compile without options."
+            + " (README, 'Switches'). Call torch.compile without options.",
+            help_section="Settings and `torch.compile` arguments",
         )
     if mode not in (None, "default"):
         _warn_once(

@@ -125,6 +125,7 @@ def test_compile_options_are_refused_and_modes_ignored_with_a_warning():
         torch.compile(f, backend="donate_xla", options={"activation_budget": 0.5})(x)
     assert DonateXlaError.__name__ in str(info.value)  # dynamo wraps it, keeping the message
     assert "DONATE_XLA_* environment variables" in str(info.value) and "stitch" in str(info.value)
+    assert 'docs/troubleshooting.md, "Settings and `torch.compile` arguments"' in str(info.value)
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -136,3 +137,37 @@ def test_compile_options_are_refused_and_modes_ignored_with_a_warning():
         warnings.simplefilter("always")
         assert torch.equal(torch.compile(f, backend="donate_xla")(x), f(x))
     assert not any("ignores torch.compile" in str(w.message) for w in caught)
+
+
+def test_every_error_names_a_section_of_the_troubleshooting_page_that_exists():
+    """Each DonateXlaError's text ends with where docs/troubleshooting.md lists it: the
+    section its class names, or the one given where it is raised."""
+    import importlib
+    import pathlib
+    import re
+
+    from donate_backend.errors import DonateXlaError
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    headings = {
+        line[3:].split(" (`")[0].strip()
+        for line in (root / "docs" / "troubleshooting.md").read_text().splitlines()
+        if line.startswith("## ")
+    }
+    for module in ("donate_backend.xla.mappings", "donate_backend.xla.plan", "donate_backend.xla.compat"):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # the XLA modules, where torch_xla is not installed
+            pass
+    classes, todo = [], [DonateXlaError]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    named = {cls.help_section for cls in classes if cls.help_section}
+    sources = "".join(p.read_text() for p in (root / "donate_backend").rglob("*.py"))
+    named |= set(re.findall(r'help_section="([^"]+)"', sources))
+    assert len(named) >= 4 and named <= headings, (named - headings, headings)
+    error = DonateXlaError("graph 1: something", help_section="While running")
+    assert str(error) == 'graph 1: something\n(causes and fixes: docs/troubleshooting.md, "While running")'
+    assert str(DonateXlaError("x")).endswith("(causes and fixes: docs/troubleshooting.md)")

@@ -163,7 +163,8 @@ class GradWriter:
                     f"donate_xla internal error in {call.graph_name}: the gradient of DDP "
                     f"parameter #{written[0]} was computed into its bucket slot, but the graph "
                     f"returns another tensor for it; set DONATE_XLA_BUCKET_VIEW=0 to train "
-                    f"without bucket writes, and please report this"
+                    f"without bucket writes, and please report this",
+                    help_section="While running",
                 )
             state.counts.slot_writes += 1
             state.counts.out_writes += 1

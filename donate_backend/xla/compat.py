@@ -36,6 +36,8 @@ _DEFAULT_CACHE_SIZE = 2048  # XLA_COMPILATION_CACHE_SIZE's default in torch_xla 
 class MissingXlaApiError(DonateXlaError):
     """This torch_xla lacks a private binding the XLA path needs."""
 
+    help_section = "A torch_xla that is not the one donate_xla is built for"
+
 
 def _optional(name: str):
     return getattr(torch_xla._XLAC, name, None)

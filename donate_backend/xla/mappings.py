@@ -40,6 +40,8 @@ _LIMIT = "/proc/sys/vm/max_map_count"
 class MappingLimitError(DonateXlaError):
     """Compiling another executable would run the process out of memory mappings."""
 
+    help_section = "Refused because the process would crash"
+
 
 def mapping_count(path: str = _MAPS) -> Optional[int]:
     try:

@@ -38,6 +38,8 @@ from . import compat
 class LoweringMismatchError(DonateXlaError):
     """The lowered HLO does not line up with the graph's inputs or outputs."""
 
+    help_section = "Our own checks failed"
+
 
 @dataclasses.dataclass(frozen=True)
 class HloParam:

@@ -543,7 +543,8 @@ class XlaExecutable:
             if not _may_be_cache_miss(exc):
                 raise DonateXlaError(
                     f"donate_xla: {self.graph_name}: running the compiled graph failed: "
-                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+                    help_section="While running",
                 ) from exc
             # Evicted from torch_xla's LRU cache: compile again (no data moves) and retry.
             self._settle_if_sharded()  # SPMD lowers on the real buffers, reading their handles
