@@ -52,8 +52,8 @@ test:
 #   first sync of all live tensors in the test after them died with a segmentation fault inside
 #   XLA's execution (not reproduced with any part of the suite before them); alone they pass.
 # - `make test-slow`: the training loop of tests/test_xla_training_loop.py in its modes other
-#   than the whole step (budget, stitched, segments, model only) and two of the three SPMD real
-#   models.
+#   than the whole step (budget, stitched, segments, model only), two of the three SPMD real
+#   models, and on torch 2.9 the Inductor executor on five HF models (below).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS)
 LAYERS := tests/test_xla_torch_xla_layers.py
@@ -62,16 +62,25 @@ SLOW_LOOP_MODES := step-budget step-stitched step-segments model
 # and two of the three real models trained on a 4-device mesh (a few minutes each; GPT-2 stays)
 SPMD := tests/test_xla_spmd.py::test_real_model_sharded_fsdp_style_trains_like_eager_spmd
 SLOW_SPMD := llama-model t5-step
+# and, on torch 2.9, the native path's Inductor executor on five of the six HF models and on
+# GPT-2 with dynamic lengths (about 300 s of compiling on a 2-core machine): the newest-torch
+# suite runs them; on torch 2.9 it keeps GPT-2 and the torchvision models, which the newest
+# torch has no torchvision for
+NATIVE_REAL := tests/test_native_real_models.py::test_real_model_trains_like_eager
+SLOW_INDUCTOR := bart bert llama mixtral t5
+NATIVE_DYNAMIC := tests/test_native_real_models.py::test_gpt2_with_dynamic_sequence_lengths_trains_like_eager[inductor]
 test-xla: $(STAMP)
 	XLA_COMPILATION_CACHE_SIZE=256 $(PY) -m pytest -q $(XDIST) --dist loadgroup --durations=10 tests/test_xla_real_models.py
 	$(PY) -m pytest -q $(XDIST) --dist loadfile --durations=10 tests --ignore=tests/test_xla_real_models.py --ignore=$(LAYERS) \
 		$(foreach mode,$(SLOW_LOOP_MODES),--deselect '$(LOOP)[$(mode)]') \
-		$(foreach case,$(SLOW_SPMD),--deselect '$(SPMD)[$(case)]')
+		$(foreach case,$(SLOW_SPMD),--deselect '$(SPMD)[$(case)]') \
+		$(foreach model,$(SLOW_INDUCTOR),--deselect '$(NATIVE_REAL)[$(model)-inductor]') --deselect '$(NATIVE_DYNAMIC)'
 	$(PY) -m pytest -q $(LAYERS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q $(foreach mode,$(SLOW_LOOP_MODES),'$(LOOP)[$(mode)]') \
-		$(foreach case,$(SLOW_SPMD),'$(SPMD)[$(case)]')
+	$(PY) -m pytest -q $(XDIST) --dist load $(foreach mode,$(SLOW_LOOP_MODES),'$(LOOP)[$(mode)]') \
+		$(foreach case,$(SLOW_SPMD),'$(SPMD)[$(case)]') \
+		$(foreach model,$(SLOW_INDUCTOR),'$(NATIVE_REAL)[$(model)-inductor]') '$(NATIVE_DYNAMIC)'
 
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__, "(no torch_xla)")'

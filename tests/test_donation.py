@@ -156,7 +156,9 @@ def test_donated_device_addresses_are_reused():
 
 
 def _optimized_hlo_modules(script: str, tmp_path) -> list:
-    env = dict(os.environ, PJRT_DEVICE="CPU", XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text")
+    # (the dump flags join the ones the tests compile with, tests/conftest.py)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
+    env = dict(os.environ, PJRT_DEVICE="CPU", XLA_FLAGS=flags)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return [p.read_text() for p in sorted(pathlib.Path(tmp_path).glob("*after_optimizations.txt"))]
