@@ -11,6 +11,12 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
 
+
+def xla_flags_with(extra: str) -> str:
+    """XLA_FLAGS for a subprocess that needs flags of its own (dumps, a scheduler): the
+    test process's flags and ``extra``."""
+    return f"{os.environ.get('XLA_FLAGS', '')} {extra}".strip()
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
+from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON, xla_flags_with
 
 pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 
@@ -156,8 +156,7 @@ def test_donated_device_addresses_are_reused():
 
 
 def _optimized_hlo_modules(script: str, tmp_path) -> list:
-    # (the dump flags join the ones the tests compile with, tests/conftest.py)
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_as_text"
+    flags = xla_flags_with(f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text")
     env = dict(os.environ, PJRT_DEVICE="CPU", XLA_FLAGS=flags)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.fx
 
-from conftest import XLA_SKIP_REASON
+from conftest import XLA_SKIP_REASON, xla_flags_with
 
 pytest.importorskip("torch_xla", reason=XLA_SKIP_REASON)
 
@@ -146,7 +146,7 @@ def test_keeping_the_recomputation_in_order_is_what_lowers_the_backwards_memory(
         dump = tmp_path / f"dump{order}"
         env = {
             **os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)]),
-            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_pass_re=^$",
+            "XLA_FLAGS": xla_flags_with(f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=^$"),
         }
         out = subprocess.run([sys.executable, str(script), str(dump), order], env=env, capture_output=True,
                              text=True, timeout=600)

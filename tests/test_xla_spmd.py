@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
+from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON, xla_flags_with
 
 pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 
@@ -22,7 +22,7 @@ TOL = dict(rel=1e-4, abs=1e-5)
 def run_layout(*args, env=None) -> dict:
     environment = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
     for key, value in (env or {}).items():  # XLA flags join the ones the tests compile with
-        environment[key] = f"{environment.get(key, '')} {value}".strip() if key == "XLA_FLAGS" else value
+        environment[key] = xla_flags_with(value) if key == "XLA_FLAGS" else value
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "spmd_layouts.py"), *args],
         capture_output=True, text=True, timeout=600, env=environment,
