@@ -3,7 +3,9 @@
 HF ``Trainer`` (the model compiled with ``model.compile(backend="donate_xla")`` before it is
 handed over) on the CPU and on XLA (with ``donate_backend.trainers.compile_optimizer_step``,
 so that the optimizer step is compiled and donates); Lightning's ``Trainer`` and ``Fabric``
-on one CPU process; FSDP2 (``fully_shard``) on one gloo rank. Each runs a few steps of a
+on one CPU process, and Fabric's ``ddp`` strategy on two gloo ranks (tests/ddp_harness.py);
+FSDP2 (``fully_shard``) on one gloo rank; an HF Trainer checkpoint resumed in a new process.
+Each runs a few steps of a
 tiny model with gradient accumulation, clipping, a warmup + cosine schedule and an
 evaluation, and its losses and final parameters must match the same trainer run without
 compilation. The recipes are in docs/trainers.md.
@@ -100,10 +102,11 @@ def _reset_accelerate():
 
 
 def hf_train(*, compiled: bool, device=None, optimizer_step: bool = False, callbacks=(), steps=STEPS, model_fn=gpt2,
-             batches: int = 16) -> dict:
+             batches: int = 16, output_dir=None, resume_from=None) -> dict:
     """The HF Trainer as a user sets it up: accumulation, clipping, warmup + cosine, an
     evaluation at the end. Returns the evaluation loss, the training loss and the final
-    parameters (on the host)."""
+    parameters (on the host). With ``output_dir``, a checkpoint is saved after every
+    optimizer step; with ``resume_from``, training resumes from that checkpoint."""
     import transformers
 
     _reset_accelerate()
@@ -117,15 +120,15 @@ def hf_train(*, compiled: bool, device=None, optimizer_step: bool = False, callb
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizers = (compile_optimizer_step(opt) if optimizer_step else opt, None)
     args = transformers.TrainingArguments(
-        tempfile.mkdtemp(prefix="donate_xla_trainer_"), max_steps=steps, per_device_train_batch_size=2,
+        output_dir or tempfile.mkdtemp(prefix="donate_xla_trainer_"), max_steps=steps, per_device_train_batch_size=2,
         gradient_accumulation_steps=2, learning_rate=1e-3, warmup_steps=1, lr_scheduler_type="cosine",
         max_grad_norm=1.0, eval_strategy="no", per_device_eval_batch_size=2, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=device is None, dataloader_num_workers=0, seed=0,
-        disable_tqdm=True,
+        save_strategy="steps" if output_dir else "no", save_steps=1, report_to=[], use_cpu=device is None,
+        dataloader_num_workers=0, seed=0, disable_tqdm=True,
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(batches, 1),
                                    eval_dataset=_Tokens(4, 2), optimizers=optimizers, callbacks=list(callbacks))
-    output = trainer.train()
+    output = trainer.train(resume_from_checkpoint=resume_from)
     metrics = trainer.evaluate()
     return {
         "device": str(trainer.args.device),
@@ -153,6 +156,35 @@ def test_hf_trainer_native_model_compiled_before_the_trainer(hf_reference):
     _assert_same(hf_reference, result)
     kinds = {(r.path, r.kind) for r in donate_backend.reports()}
     assert {("native", "forward"), ("native", "backward"), ("native", "inference")} <= kinds
+
+
+def test_hf_trainer_native_checkpoint_resumed_in_a_fresh_process(hf_reference, tmp_path):
+    """A compiled Trainer saves a checkpoint after each step; a new process builds the
+    compiled model again and resumes from the first one (weights, AdamW state, schedule and
+    RNG from the checkpoint): it ends where the uninterrupted uncompiled run ends."""
+    with _trainer_on_cpu():
+        hf_train(compiled=True, output_dir=str(tmp_path / "run"))
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    assert (checkpoint / "optimizer.pt").exists() and (checkpoint / "scheduler.pt").exists()
+    out = tmp_path / "resumed.pt"
+    env = dict(os.environ, USE_TORCH_XLA="0")  # the CPU, with torch_xla installed (docs/trainers.md)
+    done = subprocess.run([sys.executable, __file__, "resume", str(checkpoint), str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = torch.load(out)
+    assert resumed.pop("device") == "cpu"
+    assert resumed.pop("graphs") >= 2  # forward and backward reached donate_xla in the new process
+    # the training loss averages the steps each process ran; evaluation and weights must agree
+    resumed.pop("train_loss")
+    _assert_same({k: v for k, v in hf_reference.items() if k != "train_loss"}, resumed)
+
+
+def _resume(checkpoint: str, out: str) -> None:
+    """``python tests/test_trainers.py resume CHECKPOINT OUT``: the second process of the test above."""
+    donate_backend.clear_reports()
+    result = hf_train(compiled=True, resume_from=checkpoint)
+    result["graphs"] = len(donate_backend.reports())
+    torch.save(result, out)
 
 
 def test_hf_trainer_xla_with_the_optimizer_step_compiled(hf_reference):
@@ -240,14 +272,27 @@ def test_compiled_optimizer_step_keeps_the_scheduler_and_closure_working():
 # -------------------------------------------------------------------------------- Lightning
 
 
-def _regression_data():
+def _regression_data(count: int = 16):
     gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+    x, y = torch.randn(count, 8, generator=gen), torch.randn(count, 1, generator=gen)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
 
 
 def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+
+
+class _Net(torch.nn.Module):
+    """The MLP inside a module of the user's own: a compiled DDP whose module is a bare
+    ``nn.Sequential`` captures no graph at all (dynamo does not start tracing in torch.nn's
+    own code), and runs eagerly (docs/ddp.md)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _mlp()
+
+    def forward(self, x):
+        return self.body(x)
 
 
 def _lightning_trainer(compiled: bool):
@@ -326,6 +371,80 @@ def test_lightning_compiled_module(client):
     compiled = run(compiled=True)
     _assert_same(eager, compiled)
     assert any(r.kind == "backward" for r in donate_backend.reports())
+
+
+def _fabric_ddp(fabric, compiled: bool) -> tuple:
+    """Fabric's DDP with accumulation (``no_backward_sync``) and clipping, on this rank's
+    quarter of the data; the DDP module, to read donate_xla's bucket writes from."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    model, opt = fabric.setup(torch.compile(net, backend="donate_xla") if compiled else net, opt)
+    losses = []
+    # three optimizer steps on each rank: DDP rebuilds its buckets after the first
+    loader = fabric.setup_dataloaders(_regression_data(48), use_distributed_sampler=True)
+    for index, (x, y) in enumerate(loader):
+        accumulating = index % 2 == 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            fabric.backward(loss / 2)
+        losses.append(loss.detach().clone())
+        if not accumulating:
+            fabric.clip_gradients(model, opt, max_norm=1.0)
+            opt.step()
+            opt.zero_grad()
+    wrapped = model._forward_module
+    ddp = getattr(wrapped, "_orig_mod", wrapped)
+    assert isinstance(ddp, DistributedDataParallel), type(ddp)
+    result = {"losses": torch.stack(losses), **{k: v.detach().clone() for k, v in net.state_dict().items()}}
+    return result, ddp
+
+
+def fabric_ddp_job(rank: int) -> dict:
+    """Run in a gloo rank of tests/ddp_harness.py (its process group is up): Fabric's
+    ``strategy="ddp"`` as if its ranks had been started by a launcher (``torchrun`` sets
+    these variables), eager and compiled. Returns both runs and the bucket writes."""
+    import lightning
+
+    from donate_backend.ddp import integration
+
+    saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    try:
+        fabric = lightning.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+        fabric.launch()  # the ranks exist already: nothing is started
+        torch._dynamo.reset()
+        eager, _ = _fabric_ddp(fabric, compiled=False)
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
+        compiled, ddp = _fabric_ddp(fabric, compiled=True)
+        binding = integration.binding_of(ddp)
+        slot_writes = 0 if binding is None else binding.counts.slot_writes
+        return {"eager": eager, "compiled": compiled, "slot_writes": slot_writes,
+                "kinds": sorted({r.kind for r in donate_backend.reports()})}
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_lightning_fabric_ddp_on_two_gloo_ranks_writes_gradients_into_the_buckets():
+    _needs("lightning")
+    import ddp_harness
+
+    results = ddp_harness.run_job({"name": "fabric_ddp", "call": "test_trainers:fabric_ddp_job"})
+    for result in results:
+        _assert_same(result["eager"], result["compiled"])
+        assert "backward" in result["kinds"]
+        assert result["slot_writes"] > 0, "no gradient was written into a DDP bucket"
+    # the ranks trained on different data and ended with the same parameters
+    _assert_same({k: v for k, v in results[0]["eager"].items() if k != "losses"},
+                 {k: v for k, v in results[1]["eager"].items() if k != "losses"})
 
 
 # ------------------------------------------------------------------------------------ FSDP2
@@ -436,6 +555,9 @@ def _measure(optimizer_step: bool) -> dict:
 
 
 def main(argv) -> None:
+    if argv[1:2] == ["resume"]:
+        _resume(argv[2], argv[3])
+        return
     if argv[1:2] == ["run"]:
         warnings.simplefilter("ignore")
         print(json.dumps(_measure(argv[2] == "1")))
