@@ -50,7 +50,8 @@ test:
 #   past donate_xla's memory-mapping guard (docs/xla.md, "memory mappings"); with a smaller
 #   cache, evicted executables give their mappings back. A model's cases share a worker (one
 #   eager reference run per model).
-# - The rest: a test file's tests share a worker (its module fixtures and DDP rank group).
+# - The rest: a test file's tests share a worker (its module fixtures and DDP rank group), but
+#   the native real models spread by model (tests/conftest.py, xdist_scope).
 # - torch_xla's own layers (its scan-based GRU): after the rest of the suite in one process, the
 #   first sync of all live tensors in the test after them died with a segmentation fault inside
 #   XLA's execution (not reproduced with any part of the suite before them); alone they pass.
@@ -73,13 +74,15 @@ NATIVE_REAL := tests/test_native_real_models.py::test_real_model_trains_like_eag
 SLOW_INDUCTOR := bart bert llama mixtral t5 resnet18 swin
 SLOW_INDUCTOR_NEWEST := mixtral t5
 NATIVE_DYNAMIC := tests/test_native_real_models.py::test_gpt2_with_dynamic_sequence_lengths_trains_like_eager[inductor]
-# and Mixtral on XLA in two of its four modes (the whole step and segments stay)
+# and Mixtral on XLA in two of its four modes (the whole step and segments stay), and on torch
+# 2.9 the HF models under DDP (the newest-torch suite runs them)
+DDP_REAL := tests/test_ddp_real_models.py
 XLA_REAL := tests/test_xla_real_models.py::test_real_model_trains_like_eager_on_xla
 SLOW_XLA_REAL := mixtral-model mixtral-stitched
 test-xla: $(STAMP)
 	XLA_COMPILATION_CACHE_SIZE=256 $(PY) -m pytest -q $(XDIST) --dist loadgroup --durations=10 tests/test_xla_real_models.py \
 		$(foreach case,$(SLOW_XLA_REAL),--deselect '$(XLA_REAL)[$(case)]')
-	$(PY) -m pytest -q $(XDIST) --dist loadfile --durations=10 tests --ignore=tests/test_xla_real_models.py --ignore=$(LAYERS) \
+	$(PY) -m pytest -q $(XDIST) --dist loadgroup --durations=10 tests --ignore=tests/test_xla_real_models.py --ignore=$(LAYERS) --ignore=$(DDP_REAL) \
 		$(foreach mode,$(SLOW_LOOP_MODES),--deselect '$(LOOP)[$(mode)]') \
 		$(foreach case,$(SLOW_SPMD),--deselect '$(SPMD)[$(case)]') \
 		$(foreach model,$(SLOW_INDUCTOR),--deselect '$(NATIVE_REAL)[$(model)-inductor]') --deselect '$(NATIVE_DYNAMIC)'
@@ -90,10 +93,11 @@ test-slow: $(STAMP)
 		$(foreach case,$(SLOW_SPMD),'$(SPMD)[$(case)]') \
 		$(foreach model,$(SLOW_INDUCTOR),'$(NATIVE_REAL)[$(model)-inductor]') '$(NATIVE_DYNAMIC)'
 	XLA_COMPILATION_CACHE_SIZE=256 $(PY) -m pytest -q $(XDIST) --dist loadgroup $(foreach case,$(SLOW_XLA_REAL),'$(XLA_REAL)[$(case)]')
+	$(PY) -m pytest -q $(DDP_REAL)
 
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__, "(no torch_xla)")'
-	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadfile --durations=10 tests \
+	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadgroup --durations=10 tests \
 		$(foreach model,$(SLOW_INDUCTOR_NEWEST),--deselect '$(NATIVE_REAL)[$(model)-inductor]')
 
 # Differential fuzzing of the XLA path against eager PyTorch (about 1 s a scenario).

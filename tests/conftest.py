@@ -107,6 +107,33 @@ def pytest_runtest_logreport(report):
             times.write(f"{report.duration:.2f} {report.when} {report.nodeid}\n")
 
 
-def pytest_configure(config):
-    # pytest-xdist's grouping mark (`--dist loadgroup`), known also where xdist is not installed
-    config.addinivalue_line("markers", "xdist_group(name): tests that share a worker under pytest-xdist")
+# Files of independent, long cases (a model's training run each), which `make test` spreads over
+# the pytest-xdist workers by model; every other file's tests share a worker (module fixtures,
+# a DDP rank group, a per-process eager reference).
+SPREAD_BY_MODEL = ("tests/test_xla_real_models.py", "tests/test_native_real_models.py")
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or in a SPREAD_BY_MODEL file the model
+    its parameter id starts with (``bert`` of ``[bert-step]``), or the test itself."""
+    path, _, rest = nodeid.partition("::")
+    if path not in SPREAD_BY_MODEL:
+        return path
+    name, bracket, params = rest.partition("[")
+    return f"{path}::{params.split('-', 1)[0].rstrip(']')}" if bracket else f"{path}::{name}"
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: known only where xdist is installed
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` schedules by ``xdist_scope``. (pytest-xdist's own loadgroup reads
+    ``xdist_group`` marks by renaming test ids, which pytest 9 no longer allows: it fell back
+    to scheduling test by test.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrModelScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return FileOrModelScheduling(config, log)

@@ -99,8 +99,8 @@ SWITCHES = {
 
 
 # Under pytest-xdist (`make test` runs this file on two workers), a model's cases go to one
-# worker, which runs the model's eager reference once for all of them.
-PARAMS = [pytest.param(n, h, id=f"{n}-{h}", marks=pytest.mark.xdist_group(n)) for n, h in CASES]
+# worker (tests/conftest.py, xdist_scope), which runs the model's eager reference once for all of them.
+PARAMS = [pytest.param(n, h, id=f"{n}-{h}") for n, h in CASES]
 
 
 @pytest.mark.parametrize("name,compile_how", PARAMS)
@@ -148,7 +148,6 @@ def _saved_bytes_without_checkpointing() -> int:
     return _saved_bytes()
 
 
-@pytest.mark.xdist_group("gpt2")
 @pytest.mark.skipif(not available("gpt2"), reason="transformers is not installed")
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_gpt2_with_gradient_checkpointing_trains_like_eager_without_it(use_reentrant):
@@ -177,7 +176,6 @@ def _gpt2_with_its_dropout():
     return transformers.GPT2LMHeadModel(config).train()
 
 
-@pytest.mark.xdist_group("gpt2")
 @pytest.mark.skipif(not available("gpt2"), reason="transformers is not installed")
 def test_gpt2_with_its_default_dropout_trains_and_replays_its_masks():
     """The models above switch dropout off to compare with eager; with GPT-2's
