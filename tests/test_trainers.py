@@ -349,8 +349,14 @@ def _fabric(compiled: bool):
     net = _mlp()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     model, opt = fabric.setup(torch.compile(net, backend="donate_xla") if compiled else net, opt)
+    losses = _fabric_loop(fabric, model, opt, fabric.setup_dataloaders(_regression_data()))
+    return {"losses": losses, **{k: v.detach().clone() for k, v in net.state_dict().items()}}
+
+
+def _fabric_loop(fabric, model, opt, loader) -> torch.Tensor:
+    """Accumulation over two micro-batches (``no_backward_sync``), clipping; the losses."""
     losses = []
-    for index, (x, y) in enumerate(fabric.setup_dataloaders(_regression_data())):
+    for index, (x, y) in enumerate(loader):
         accumulating = index % 2 == 0
         with fabric.no_backward_sync(model, enabled=accumulating):
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -360,7 +366,7 @@ def _fabric(compiled: bool):
             fabric.clip_gradients(model, opt, max_norm=1.0)
             opt.step()
             opt.zero_grad()
-    return {"losses": torch.stack(losses), **{k: v.detach().clone() for k, v in net.state_dict().items()}}
+    return torch.stack(losses)
 
 
 @pytest.mark.parametrize("client", ["trainer", "fabric"])
@@ -382,23 +388,13 @@ def _fabric_ddp(fabric, compiled: bool) -> tuple:
     net = _Net()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     model, opt = fabric.setup(torch.compile(net, backend="donate_xla") if compiled else net, opt)
-    losses = []
     # three optimizer steps on each rank: DDP rebuilds its buckets after the first
     loader = fabric.setup_dataloaders(_regression_data(48), use_distributed_sampler=True)
-    for index, (x, y) in enumerate(loader):
-        accumulating = index % 2 == 0
-        with fabric.no_backward_sync(model, enabled=accumulating):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            fabric.backward(loss / 2)
-        losses.append(loss.detach().clone())
-        if not accumulating:
-            fabric.clip_gradients(model, opt, max_norm=1.0)
-            opt.step()
-            opt.zero_grad()
+    losses = _fabric_loop(fabric, model, opt, loader)
     wrapped = model._forward_module
     ddp = getattr(wrapped, "_orig_mod", wrapped)
     assert isinstance(ddp, DistributedDataParallel), type(ddp)
-    result = {"losses": torch.stack(losses), **{k: v.detach().clone() for k, v in net.state_dict().items()}}
+    result = {"losses": losses, **{k: v.detach().clone() for k, v in net.state_dict().items()}}
     return result, ddp
 
 
