@@ -10,7 +10,9 @@ Models (fp32):
 Variants, all in one run: eager, a plain FX aot backend (aot_autograd whose
 compiled functions take their arguments unpacked, so the backward holds every
 saved tensor to the end; min-cut partitioner like donate_xla's ATen executor),
-donate_xla (native path, ATen executor), aot_eager and Inductor.
+donate_xla (native path, ATen executor), aot_eager and Inductor. The
+donate_xla row also gives the memory plan's prediction of the same peak
+(``donate_backend.memory_plan().growth_bytes``) and its error.
 
 Measure: gradients set to None, then one forward+backward; the peak of
 allocated bytes during it, minus the level before the forward.
@@ -124,6 +126,7 @@ def step(model, run, x) -> None:
 
 def measure(variant: str, spec: dict, device: str) -> dict:
     torch._dynamo.reset()
+    donate_backend.clear_reports()
     model = make_model(spec).to(device)
     x = make_input(spec, device)
     run = compiled(model, variant)
@@ -131,6 +134,8 @@ def measure(variant: str, spec: dict, device: str) -> dict:
     model.zero_grad(set_to_none=True)
     gc.collect()
     result = {}
+    if variant == "donate_xla":
+        result["plan"] = donate_backend.memory_plan().growth_bytes
     if device == "cuda":
         result["peak"] = cuda_peak_bytes(lambda: step(model, run, x))
         return result
@@ -152,6 +157,8 @@ def report_model(name: str, spec: dict, device: str) -> dict:
         result = measure(variant, spec, device)
         peaks[variant] = result["peak"]
         cross = f"   (storage tracker {result['tracker'] / MIB:7.1f})" if "tracker" in result else ""
+        if "plan" in result:
+            cross += f"   (memory plan {result['plan'] / MIB:7.1f}, {result['plan'] / result['peak'] - 1:+.1%})"
         print(f"  {variant:<11} backward peak above pre-forward: {result['peak'] / MIB:7.1f} MiB{cross}")
     ours = peaks["donate_xla"]
     print("  ratios donate_xla / other: " + ", ".join(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from . import config
 from .errors import DonateXlaError, UnsupportedGraphError
+from .planner import MemoryPlan, memory_plan
 from .report import GraphRecord, clear_reports, format_record, format_table, reports
 
 
@@ -41,4 +42,6 @@ __all__ = [
     "GraphRecord",
     "DonateXlaError",
     "UnsupportedGraphError",
+    "MemoryPlan",
+    "memory_plan",
 ]

@@ -7,6 +7,7 @@ apply to them and leave the rest at their defaults.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from typing import Any, Optional
@@ -65,6 +66,17 @@ class GraphRecord:
     # inputs (saved tensors, incoming gradients) released before the last segment runs
     backward_segments: int = 0
     released_bytes: int = 0
+    # Memory plan inputs (``donate_backend.planner``): the graph's own allocations
+    # (native path: ``native.memory.GraphMemory``), the inputs a caller holds across
+    # steps as ``(role, storage, nbytes)``, and when the graph first ran among all graphs.
+    memory: Any = dataclasses.field(default=None, repr=False, compare=False)
+    held_inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    first_call: Optional[int] = None
+    tangent_bytes: Optional[int] = None  # native backward: bytes of the tangents its first call got
+    # native: the storages a forward's first call returned to the caller (weak references),
+    # and the bytes of them still alive when its backward first ran
+    output_storages: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+    outputs_held_bytes: Optional[int] = None
     # XLA path: the lowered graph (``xla.lower.LoweredGraph``); ``lowered.traced`` is
     # the traced stage. Each prints itself with ``as_text()``.
     lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -80,6 +92,13 @@ class GraphRecord:
 
 _lock = threading.Lock()
 _records: list[GraphRecord] = []
+_calls = itertools.count()
+
+
+def mark_first_call(record: GraphRecord) -> None:
+    """Note when ``record``'s graph first ran, among all graphs (the memory plan's order)."""
+    if record.first_call is None:
+        record.first_call = next(_calls)
 
 
 def add(record: GraphRecord) -> GraphRecord:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, for a machine with CUDA, torch and pytest (no torch_xla):
 # the native path on CUDA against eager on CUDA (tests/test_native_cuda.py), the
-# differential fuzzer's cuda path under both executors, and bench/backward_memory.py
-# measured by the CUDA allocator. CI has no GPU; run this where one is lent.
+# differential fuzzer's cuda path under both executors, bench/backward_memory.py
+# measured by the CUDA allocator, the memory plan's error (bench/plan_accuracy.py) and
+# step time against Inductor (bench/native_speed.py). CI has no GPU; run this where one
+# is lent.
 #
 #   tools/gpu_check.sh [OUT_DIR]      (logs and JSON land in OUT_DIR, default gpu-check-out)
 #
@@ -58,5 +60,17 @@ if [ "${GPU_CHECK_BENCH_S:-150}" != 0 ]; then  # 0: skip the benchmark
     timeout "${GPU_CHECK_BENCH_S:-150}" python3 bench/backward_memory.py --device cuda \
         >"$out/backward-memory.log" 2>&1 || { echo "backward_memory: exit $?"; status=1; }
     cat "$out/backward-memory.log"
+fi
+if [ "${GPU_CHECK_PLAN_S:-120}" != 0 ]; then
+    timeout "${GPU_CHECK_PLAN_S:-120}" python3 bench/plan_accuracy.py --device cuda --json "$out/plan-accuracy.json" \
+        >"$out/plan-accuracy.log" 2>&1 || { echo "plan_accuracy: exit $?"; status=1; }
+    grep -E "predicted|largest|failed|skipped" "$out/plan-accuracy.log"
+fi
+
+if [ "${GPU_CHECK_SPEED_S:-200}" != 0 ]; then
+    timeout "${GPU_CHECK_SPEED_S:-200}" python3 bench/native_speed.py --device cuda --models 1,3 \
+        --repeats "${GPU_CHECK_SPEED_REPEATS:-2}" --steps 10 --json "$out/native-speed.json" \
+        >"$out/native-speed.log" 2>&1 || { echo "native_speed: exit $?"; status=1; }
+    cat "$out/native-speed.log"
 fi
 exit $status

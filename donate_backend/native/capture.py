@@ -8,21 +8,50 @@ reaches every compiler of that graph as ``GraphContext.captured``:
 - ``aot_compiler``: the executor whose aot_autograd options (decompositions,
   partitioner) produced the graphs. A graph built later for the other
   executor (a switch flipped after capture) needs what those options would
-  have done (``executor``).
+  have done (``executor``);
+- ``input_storages``: for each aot_autograd flat input (the dynamo module's
+  attributes, then its placeholders), the identity and size of the storage
+  behind it, from the real tensors dynamo passes. The memory plan counts a
+  parameter read by two graphs once.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
+
+import torch
 
 from .. import config, ddp
+from ..analysis.mutation import graph_attributes
+
+
+@dataclasses.dataclass(frozen=True)
+class InputStorage:
+    storage: Tuple[str, int]  # (device, address): one storage, while it lives
+    nbytes: int
 
 
 @dataclasses.dataclass(frozen=True)
 class NativeCapture:
     ddp: Optional[ddp.DDPGraphInfo]
     aot_compiler: str  # "aten" or "inductor": config.native_compiler at capture
+    input_storages: Tuple[Optional[InputStorage], ...] = ()  # None: not a tensor
+
+
+def _storage_of(value) -> Optional[InputStorage]:
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return None
+    try:
+        storage = value.untyped_storage()
+        return InputStorage((str(value.device), storage.data_ptr()), int(storage.nbytes()))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def capture(gm, example_inputs) -> NativeCapture:
-    return NativeCapture(ddp.capture(gm, example_inputs), config.current().native_compiler)
+    flat = [tensor for _, tensor, _ in graph_attributes(gm)] + list(example_inputs)
+    return NativeCapture(
+        ddp.capture(gm, example_inputs),
+        config.current().native_compiler,
+        tuple(_storage_of(v) for v in flat),
+    )

@@ -11,6 +11,16 @@ directly. Every guard has a test that removes the API by monkeypatching
 - ``bw_donated_indices()``: aot_autograd's list of backward inputs that are
   saved tensors sharing no storage with a forward input, a user output or a
   backward output (``fw_metadata.bw_donated_idxs``). ``None`` when unknown.
+- ``forward_returns_count()``: how many outputs of the forward being
+  compiled go to the caller (``fw_metadata.num_forward_returns``); the rest
+  are saved for the backward. ``None`` when unknown: the memory replay then
+  counts every forward output as the caller's.
+- ``allocation_peak_bytes(fn, device)``: the most bytes allocated above the
+  starting level while ``fn`` runs. CUDA: the allocator's public statistics.
+  CPU: the profiler's allocation events, read from its kineto results (no
+  public API lists them); None when those are missing or a profiler is
+  already running (``torch._C._autograd._profiler_enabled``: starting a
+  second one would stop the user's).
 - ``lift_aot_donation_check()``: aot_autograd refuses a ``retain_graph``
   backward once a backward with donated buffers was compiled (its check
   assumes the compiled code always overwrites them). Our backward decides
@@ -61,6 +71,16 @@ def bw_donated_indices() -> Optional[List[int]]:
     if indices is None:
         return None
     return [int(i) for i in indices]
+
+
+def forward_returns_count() -> Optional[int]:
+    """How many of the forward graph being compiled's outputs go to the caller
+    (mutated inputs, user outputs, intermediate bases); the rest are saved for
+    the backward. None when this torch does not say."""
+    context = current_tracing_context()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    count = getattr(metadata, "num_forward_returns", None) if metadata is not None else None
+    return int(count) if isinstance(count, int) else None
 
 
 def lift_aot_donation_check() -> bool:
@@ -235,3 +255,31 @@ def inductor_aot_options() -> dict:
             return inductor_partition(gm, joint_inputs, **kwargs)
 
     return {"decompositions": select_decomp_table(), "partition_fn": partition_fn}
+
+
+def allocation_peak_bytes(fn: Callable[[], object], device) -> Optional[int]:
+    """Peak allocated bytes above the start while ``fn()`` runs on ``device`` (see above)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+    if enabled is None or enabled():
+        return None  # a second profiler would stop the user's running one
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    events_of = getattr(results, "events", None)
+    if events_of is None:
+        return None
+    events = sorted((e.start_ns(), e.nbytes()) for e in events_of() if e.name() == "[memory]")
+    level = peak = 0
+    for _, nbytes in events:
+        level += nbytes
+        peak = max(peak, level)
+    return peak

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from .. import builds, config, ddp, report
-from . import compat, executor
+from . import compat, executor, memory
 
 
 def _device_of(example_inputs) -> str:
@@ -45,6 +45,16 @@ def graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copied
 
 
+def _held_inputs(ctx) -> tuple:
+    """``(role, storage, nbytes)`` of each tensor input of a forward or inference graph."""
+    storages = getattr(ctx.captured, "input_storages", ())
+    return tuple(
+        (role, s.storage, s.nbytes)
+        for role, s in zip(ctx.input_roles, storages)
+        if s is not None
+    )
+
+
 class CompiledGraph:
     """Boxed callable for one graph; runs the build for the current switches."""
 
@@ -57,12 +67,14 @@ class CompiledGraph:
         self._example_inputs = list(example_inputs)
         self._tracing_context = compat.current_tracing_context()
         self._donated_indices = compat.bw_donated_indices() if ctx.kind == "backward" else None
+        self._forward_returns = compat.forward_returns_count() if ctx.kind == "forward" else None
         self.record = report.GraphRecord(
             graph_id=ctx.graph_id,
             kind=ctx.kind,
             device=_device_of(example_inputs),
             path="native",
             num_inputs=len(example_inputs),
+            held_inputs=_held_inputs(ctx) if ctx.kind != "backward" else (),
         )
         self._builds = builds.BuildsPerSetting(self._build)
         self._current: Optional[executor.Built] = None
@@ -88,6 +100,7 @@ class CompiledGraph:
             self.record.buffers_reused = built.buffers_reused
             self.record.bucket_grads = built.bucket_grads
             self.record.bucket_bytes = built.bucket_bytes
+            self.record.memory = built.memory
         return built
 
     @property
@@ -96,7 +109,29 @@ class CompiledGraph:
         return self.built.source
 
     def __call__(self, args: list):
+        if self.record.first_call is None:
+            return self._first_call(args)
         return self.built.run(args)
+
+    def _first_call(self, args: list):
+        """Run the graph for the first time, noting what the memory plan cannot know from
+        the graph alone: when it first ran among all graphs; for a forward, the storages
+        it returns to the caller; for a backward, the bytes of the tangents it was given
+        and how many of its forward's outputs the caller still holds."""
+        report.mark_first_call(self.record)
+        predicted = self.record.memory
+        if self.ctx.kind == "backward" and predicted is not None:
+            self.record.tangent_bytes = memory.tangent_bytes_of(args, predicted.tangent_indices)
+            forward = next(
+                (r for r in report.reports() if r.graph_id == self.record.graph_id and r.kind == "forward"),
+                None,
+            )
+            if forward is not None and forward.output_storages is not None:
+                self.record.outputs_held_bytes = memory.held_bytes(forward.output_storages)
+        result = self.built.run(args)
+        if self.ctx.kind == "forward" and self._forward_returns is not None:
+            self.record.output_storages = memory.storage_refs(result[: self._forward_returns])
+        return result
 
     def _build(self, settings: config.Settings) -> executor.Built:
         started = time.perf_counter()
@@ -112,8 +147,25 @@ class CompiledGraph:
             )
         built.bucket_grads = prepared.bucket_grads
         built.bucket_bytes = prepared.bucket_bytes
+        built.memory = self._predict_memory(prepared.gm, settings)
         self.record.compile_seconds += time.perf_counter() - started
         return built
+
+    def _predict_memory(self, gm, settings: config.Settings):
+        """The graph's allocations replayed on fake tensors (``memory``), or None
+        where the replay fails: a prediction never stops a graph from compiling."""
+        try:
+            return memory.for_build(
+                gm, self.ctx.name, self.ctx.kind,
+                free_saved_on=settings.free_saved,
+                reuses=settings.native_compiler == "aten",
+                donated_indices=self._donated_indices,
+                forward_returns=self._forward_returns,
+                input_roles=self.ctx.input_roles,
+            )
+        except Exception as error:  # noqa: BLE001  (reported, never raised)
+            report.log.debug("donate_xla: no memory prediction for %s: %s", self.ctx.name, error)
+            return None
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, ctx) -> CompiledGraph:

@@ -40,6 +40,7 @@ class Built:
     source: Optional[str] = None  # generated Python (aten executor)
     bucket_grads: Optional[int] = None  # gradients written into DDP buckets (ddp.prepare)
     bucket_bytes: Optional[int] = None
+    memory: object = None  # its allocations replayed on fake tensors (``memory.GraphMemory``)
 
 
 def build(gm, example_inputs, ctx, settings: config.Settings, donated_indices) -> Built:

@@ -1,0 +1,150 @@
+"""Native path: the memory plan's predicted step growth against the measured one.
+
+For each model (the three of ``bench/backward_memory.py`` and the real models of
+``tests/real_models.py``) and executor: compile with donate_xla, run one
+forward+backward (compiles), then predict the growth of the next one with
+``donate_backend.memory_plan()`` and measure it (gradients set to None first,
+peak above the level before the forward): CPU, the profiler's memory events
+(every c10 allocation, kernel workspaces included) and the storage tracker of
+tests/memtrack.py (tensors made by ATen ops only); CUDA,
+``torch.cuda.max_memory_allocated``. Prints the error per model and the
+largest.
+
+Usage: python bench/plan_accuracy.py [--device cpu|cuda] [--executors aten,inductor]
+       [--models bench1,bench2,bench3,gpt2,...] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import donate_backend  # noqa: E402
+from donate_backend import config  # noqa: E402
+from memtrack import StorageTracker, cuda_peak_bytes, profiler_peak_bytes  # noqa: E402
+
+MIB = 2**20
+
+
+class BenchModel:
+    """A model of bench/backward_memory.py in the shape of a tests/real_models.py entry."""
+
+    def __init__(self, key: str):
+        import backward_memory
+
+        self.spec = backward_memory.MODELS[key]
+        self._bm = backward_memory
+
+    def available(self) -> bool:
+        if self.spec.get("hf"):
+            import importlib.util
+
+            return importlib.util.find_spec("transformers") is not None
+        return True
+
+    def build(self, device):
+        return self._bm.make_model(self.spec).to(device)
+
+    def step(self, model, run, device):
+        x = self._bm.make_input(self.spec, device)
+        return lambda: self._bm.step(model, run, x)
+
+
+class RealModel:
+    def __init__(self, name: str):
+        import real_models
+
+        self.spec = real_models.MODELS[name]
+        self._available = lambda: real_models.available(name)
+
+    def available(self) -> bool:
+        return self._available()
+
+    def build(self, device):
+        return self.spec.build().to(device)
+
+    def step(self, model, run, device):
+        batch = {k: v.to(device) for k, v in self.spec.batch(100).items()}
+        return lambda: self.spec.loss(run, batch).backward()
+
+
+def models() -> dict:
+    import real_models
+
+    out = {f"bench{k}": BenchModel(k) for k in ("1", "2", "3")}
+    out.update({name: RealModel(name) for name in sorted(real_models.MODELS)})
+    return out
+
+
+def measure(entry, executor: str, device: str) -> dict:
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    model = entry.build(device)
+    with config.patch(native_compiler=executor):
+        run = torch.compile(model, backend="donate_xla")
+        step = entry.step(model, run, device)
+        step()  # compiles
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        plan = donate_backend.memory_plan()
+        result = dict(predicted=plan.growth_bytes, graphs=len(plan.graphs))
+        if device == "cuda":
+            result["measured"] = cuda_peak_bytes(step)
+        else:
+            result["measured"] = profiler_peak_bytes(step)
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            tracker = StorageTracker()
+            with tracker:
+                step()
+            result["tensors"] = tracker.peak_bytes
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--executors", default="aten,inductor")
+    parser.add_argument("--models", default=None)
+    parser.add_argument("--json", default=None)
+    options = parser.parse_args()
+    table = models()
+    names = options.models.split(",") if options.models else list(table)
+    print(f"plan_accuracy: torch {torch.__version__}, {options.device}"
+          + (f" ({torch.cuda.get_device_name(0)})" if options.device == "cuda" else ""))
+    rows = []
+    for executor in options.executors.split(","):
+        for name in names:
+            entry = table[name]
+            if not entry.available():
+                print(f"  {name:<9} [{executor}] skipped: not installed")
+                continue
+            try:
+                r = measure(entry, executor, options.device)
+            except Exception as error:  # a model that fails is reported, the rest still run
+                print(f"  {name:<9} [{executor}] failed: {type(error).__name__}: {str(error)[:300]}")
+                continue
+            error = r["predicted"] / r["measured"] - 1 if r["measured"] else 0.0
+            tensors = f", tensors only {r['tensors'] / MIB:8.3f} ({r['predicted'] / r['tensors'] - 1:+.1%})" if r.get("tensors") else ""
+            print(f"  {name:<9} [{executor}] predicted {r['predicted'] / MIB:8.3f} MiB, measured "
+                  f"{r['measured'] / MIB:8.3f} MiB ({error:+.1%}){tensors}, {r['graphs']} graphs", flush=True)
+            rows.append(dict(model=name, executor=executor, error=error, **r))
+    if rows:
+        worst = max(rows, key=lambda r: abs(r["error"]))
+        print(f"largest error: {worst['model']} [{worst['executor']}] {worst['error']:+.1%}")
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump(dict(torch=torch.__version__, device=options.device, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

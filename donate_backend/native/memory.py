@@ -1,0 +1,346 @@
+"""Predicted memory of one native graph: its allocations replayed on fake tensors.
+
+Every value of an aot_autograd graph carries a fake tensor (``meta["val"]``)
+with its shape, dtype and storage. ``replay`` walks the graph in order, as the
+executor runs it, and keeps a running count of the bytes the graph holds above
+what it was called with:
+
+- a node whose result has a storage not seen before allocates it (views and
+  the items of a multi-output op allocate nothing);
+- a node planned to write into a dying buffer (``reuse``) allocates nothing;
+- a storage is freed when the last value that holds it dies
+  (``analysis.liveness``), unless the graph returns it;
+- inputs stay alive (the caller holds them), except those the graph owns and
+  lets go at their last use: in a backward, the saved tensors aot_autograd
+  donates (their storage belongs to the backward alone) and the tangents.
+
+The peak is taken right after each node runs, when its result and all its
+inputs are alive. The result is a ``GraphMemory``: the peak above the level at
+the call, the change from call to return, and the bytes by category at the
+peak. ``donate_backend.planner`` composes these into a step.
+
+Sizes on CUDA are the caching allocator's blocks (multiples of 512 bytes).
+Ops that may use a kernel workspace (convolutions, fused attention) are noted
+with the level at which they run; the plan measures their workspaces
+(``workspace``). What a replay cannot see: memory cached but not allocated
+(the CUDA allocator keeps freed blocks: ``memory_reserved`` is above
+``memory_allocated``), library handles set up once (cuBLAS workspaces), and
+for the Inductor executor its fusions (fused intermediates are never
+allocated, so the replay of the unfused graph is an upper bound there).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_leaves
+
+from ..analysis import liveness
+from ..analysis.aliasing import storage_key
+from . import workspace
+
+# Categories of bytes (shared with ``donate_backend.planner``).
+PARAMETERS = "parameters"
+BUFFERS = "buffers"
+OPTIMIZER_STATE = "optimizer state"
+INPUTS = "inputs"
+GRADIENTS = "gradients"
+ACTIVATIONS = "activations"  # saved by a forward for its backward
+OUTPUTS = "outputs"  # what a forward returns to the caller
+TEMPORARIES = "temporaries"
+WORKSPACE = "kernel workspace"  # scratch memory inside a kernel (``workspace``)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphMemory:
+    """What one graph allocates and frees when it runs (bytes, relative to its call)."""
+
+    name: str  # "graph 0 forward"
+    kind: str
+    peak_bytes: int  # most bytes above the level at the call, at any node
+    end_bytes: int  # level at return minus level at the call (outputs kept, inputs released)
+    peak_parts: Tuple[Tuple[str, int], ...]  # (category, bytes) at the peak; released inputs negative
+    end_parts: Tuple[Tuple[str, int], ...]  # (category, bytes) at return
+    peak_node: str  # the node at which the peak is reached
+    released_input_bytes: int = 0  # inputs let go before return
+    # A backward: its tangents (made by the caller just before it runs: the loss's ones,
+    # zeros for outputs that got no gradient, or a later graph's input gradients), and the
+    # gradients it returns for inputs that are not parameters (an earlier graph's tangents).
+    tangent_bytes: int = 0
+    passed_grad_bytes: int = 0
+    tangent_indices: Tuple[int, ...] = ()  # which arguments are tangents
+    # Ops that may use a kernel workspace: (level right after the op's result is made,
+    # bytes by category then, ``workspace.OpCall``); the plan measures the workspaces.
+    workspace_points: Tuple[tuple, ...] = ()
+
+    def as_text(self) -> str:
+        parts = ", ".join(f"{c} {b / 2**20:.1f}" for c, b in self.peak_parts if b)
+        return (
+            f"{self.name}: peak +{self.peak_bytes / 2**20:.1f} MiB at {self.peak_node} ({parts}); "
+            f"after it {self.end_bytes / 2**20:+.1f} MiB"
+        )
+
+
+def cuda_block_bytes(size: int) -> int:
+    """What CUDA's caching allocator counts for a request of ``size`` bytes: blocks
+    are multiples of 512 bytes (``max_memory_allocated`` counts blocks)."""
+    return 0 if size <= 0 else (size + 511) // 512 * 512
+
+
+def nbytes(value: torch.Tensor) -> int:
+    """Bytes of the storage behind ``value`` (symbolic sizes at their hint); on CUDA,
+    the allocator's block."""
+    try:
+        size = value.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        size = value.numel() * value.element_size()
+    try:
+        size = int(size)
+    except (TypeError, RuntimeError):  # an unbacked symbolic size
+        return 0
+    return cuda_block_bytes(size) if value.device.type == "cuda" else size
+
+
+def _tensors(node: torch.fx.Node) -> List[torch.Tensor]:
+    val = node.meta.get("val") if hasattr(node, "meta") else None
+    return [
+        v for v in tree_leaves(val)
+        if isinstance(v, torch.Tensor) and v.layout == torch.strided and v.device.type != "meta"
+    ]
+
+
+def _keys(node: torch.fx.Node) -> List[Tuple[object, int]]:
+    out = []
+    for value in _tensors(node):
+        key = storage_key(value)
+        if key is not None:
+            out.append((key, nbytes(value)))
+    return out
+
+
+class _Ledger:
+    """Live storages, who holds them, and bytes by category."""
+
+    def __init__(self) -> None:
+        self.holders: Dict[object, Set[torch.fx.Node]] = {}
+        self.owned: Dict[object, Tuple[int, str]] = {}  # storages whose death changes the level
+        self.by_category: Dict[str, int] = {}
+        self.level = 0
+
+    def add(self, category: str, nbytes_: int) -> None:
+        self.by_category[category] = self.by_category.get(category, 0) + nbytes_
+        self.level += nbytes_
+
+    def release(self, node: torch.fx.Node, keys: Iterable[object]) -> None:
+        for key in keys:
+            holders = self.holders.get(key)
+            if holders is None:
+                continue
+            holders.discard(node)
+            if not holders and key in self.owned:
+                size, category = self.owned.pop(key)
+                self.add(category, -size)
+                del self.holders[key]
+
+
+def replay(
+    graph: torch.fx.Graph,
+    name: str,
+    kind: str,
+    *,
+    released_inputs: Sequence[torch.fx.Node] = (),
+    input_categories: Optional[Dict[torch.fx.Node, str]] = None,
+    saved_outputs_from: Optional[int] = None,
+    reused: Optional[Dict[torch.fx.Node, torch.fx.Node]] = None,
+    passed_outputs: Sequence[int] = (),
+) -> GraphMemory:
+    """Replay ``graph``'s allocations (see the module docstring).
+
+    ``released_inputs``: placeholders the graph owns and frees at their last
+    use. ``input_categories``: the category of a released input's bytes.
+    ``saved_outputs_from``: in a forward, the index of the first output that
+    is saved for the backward (the ones before it are the caller's).
+    ``reused``: node -> the input whose buffer it writes its result into.
+    ``passed_outputs``: in a backward, the indices of the outputs that are
+    gradients of inputs other than parameters (an earlier graph takes them).
+    """
+    input_categories = input_categories or {}
+    reused = reused or {}
+    ledger = _Ledger()
+    alias: Dict[object, object] = {}  # storage of a reusing node -> the buffer's storage
+
+    def resolve(key):
+        while key in alias:
+            key = alias[key]
+        return key
+
+    output = graph.output_node()
+    returned: Dict[object, str] = {}
+    passed: Dict[object, int] = {}
+    out_values = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    for index, value in enumerate(out_values):
+        if not isinstance(value, torch.fx.Node):
+            continue
+        if kind == "backward":
+            category = GRADIENTS
+        elif kind == "forward" and saved_outputs_from is not None and index >= saved_outputs_from:
+            category = ACTIVATIONS
+        else:
+            category = OUTPUTS
+        for key, size in _keys(value):
+            returned.setdefault(key, category)
+            if kind == "backward" and index in passed_outputs:
+                passed[key] = size
+
+    released = set(released_inputs)
+    tangents: Dict[object, int] = {}
+    tangent_indices = []
+    for index, node in enumerate(graph.find_nodes(op="placeholder")):
+        if kind == "backward" and node.name.startswith("tangents"):
+            tangents.update(_keys(node))
+            tangent_indices.append(index)
+        for key, size in _keys(node):
+            ledger.holders.setdefault(key, set()).add(node)
+            if node in released and key not in ledger.owned:
+                ledger.owned[key] = (size, input_categories.get(node, INPUTS))
+                ledger.by_category.setdefault(input_categories.get(node, INPUTS), 0)
+
+    dying = liveness.values_dying_at(graph)
+    for node in released:
+        if not node.users:  # an input nothing reads goes at once
+            dying.setdefault(next(iter(graph.nodes)), []).append(node)
+
+    peak, peak_parts, peak_node = 0, {}, "(inputs)"
+    points = []
+    released_bytes = 0
+    node_keys: Dict[torch.fx.Node, List[object]] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            node_keys[node] = [resolve(k) for k, _ in _keys(node)]
+        elif node.op != "output":
+            keys = []
+            if node in reused:
+                for key, _ in _keys(node):
+                    target = node_keys.get(reused[node], [None])[0]
+                    if target is not None and key != target:
+                        alias[key] = target
+            for key, size in _keys(node):
+                key = resolve(key)
+                keys.append(key)
+                if key not in ledger.holders:  # a new storage
+                    ledger.holders[key] = set()
+                    category = returned.get(key, TEMPORARIES)
+                    ledger.owned[key] = (size, category)
+                    ledger.add(category, size)
+                ledger.holders[key].add(node)
+            node_keys[node] = keys
+            if workspace.has_workspace(node.target):
+                call = workspace.op_call(node)
+                if call is not None:
+                    points.append((ledger.level, tuple(sorted(ledger.by_category.items())), call))
+            if ledger.level > peak:
+                peak, peak_parts, peak_node = ledger.level, dict(ledger.by_category), node.name
+        if node.op == "output":
+            break
+        for value in dying.get(node, ()):
+            keys = node_keys.get(value, ())
+            before = ledger.level
+            ledger.release(value, [k for k in keys if k not in returned])
+            if value.op == "placeholder":
+                released_bytes += before - ledger.level
+    # A returned storage stays; a value read only by the output is never released.
+    end_parts = {c: b for c, b in ledger.by_category.items() if b}
+    return GraphMemory(
+        name=name,
+        kind=kind,
+        peak_bytes=peak,
+        end_bytes=ledger.level,
+        peak_parts=tuple(sorted((c, b) for c, b in peak_parts.items() if b)),
+        end_parts=tuple(sorted(end_parts.items())),
+        peak_node=peak_node,
+        released_input_bytes=released_bytes,
+        tangent_bytes=sum(tangents.values()),
+        passed_grad_bytes=sum(passed.values()),
+        tangent_indices=tuple(tangent_indices),
+        workspace_points=tuple(points),
+    )
+
+
+def for_build(gm: torch.fx.GraphModule, name: str, kind: str, *, free_saved_on: bool,
+              reuses: bool, donated_indices, forward_returns: Optional[int],
+              input_roles: Sequence[str] = ()) -> GraphMemory:
+    """The replay of one build: what its executor frees and reuses (``executor``).
+
+    ``input_roles``: the roles of the forward's inputs (``analysis.mutation``); a
+    backward returns one gradient (or None) per forward input, in that order.
+    """
+    from . import free_saved, reuse
+
+    graph = gm.graph
+    released: List[torch.fx.Node] = []
+    categories: Dict[torch.fx.Node, str] = {}
+    reused: Dict[torch.fx.Node, torch.fx.Node] = {}
+    if kind == "backward" and free_saved_on:
+        donated = free_saved.donated_placeholders(graph, donated_indices)
+        for node in graph.find_nodes(op="placeholder"):
+            if node in donated:
+                released.append(node)
+                categories[node] = ACTIVATIONS
+            elif free_saved.is_tangent(node):
+                released.append(node)
+                categories[node] = GRADIENTS
+        if reuses:
+            reused = {plan.node: plan.buffer for plan in reuse.plan_reuse(graph, donated)}
+    return replay(
+        graph, name, kind,
+        released_inputs=released,
+        input_categories=categories,
+        saved_outputs_from=forward_returns if kind == "forward" else None,
+        reused=reused,
+        passed_outputs=_passed_outputs(graph, kind, input_roles),
+    )
+
+
+def tangent_bytes_of(args: Sequence, indices: Sequence[int]) -> int:
+    """Bytes of the distinct storages behind the tangents a backward was called with
+    (an expanded scalar, as ``sum().backward()`` passes, is a few bytes)."""
+    seen, total = set(), 0
+    for i in indices:
+        value = args[i] if i < len(args) else None
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+            storage = value.untyped_storage()
+            key = (str(value.device), storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                size = storage.nbytes()
+                total += cuda_block_bytes(size) if value.device.type == "cuda" else size
+    return total
+
+
+def storage_refs(values: Sequence) -> tuple:
+    """``(weak reference, bytes)`` of the distinct storages behind ``values``' tensors."""
+    refs, seen = [], set()
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+            key = storage_key(value)
+            if key is not None and key not in seen:
+                seen.add(key)
+                size = value.untyped_storage().nbytes()
+                refs.append((key, cuda_block_bytes(size) if value.device.type == "cuda" else size))
+    return tuple(refs)
+
+
+def held_bytes(refs: tuple) -> int:
+    """Bytes of the storages in ``refs`` (``storage_refs``) that are still alive."""
+    return sum(size for ref, size in refs if not ref.expired())
+
+
+def _passed_outputs(graph: torch.fx.Graph, kind: str, input_roles: Sequence[str]) -> List[int]:
+    if kind != "backward" or not input_roles:
+        return []
+    outputs = graph.output_node().args[0]
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != len(input_roles):
+        return []  # the outputs do not line up with the inputs: count all as gradients
+    return [i for i, role in enumerate(input_roles) if role == "other"]

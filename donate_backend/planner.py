@@ -1,0 +1,258 @@
+"""The memory plan of a training step: what is live, graph by graph, and the peak.
+
+``memory_plan()`` composes the graphs compiled so far into one step and
+returns a ``MemoryPlan``. Each graph brings its own prediction (native path:
+``native.memory.GraphMemory``, its allocations replayed on fake tensors); the
+plan adds what lives across graphs:
+
+- **resident**: the tensors the step's graphs read that the caller holds
+  between steps (parameters, buffers, optimizer state, the batch), each
+  storage counted once however many graphs read it, plus the state of an
+  ``optimizer`` passed in (an optimizer that runs eagerly is not a graph);
+- **carried**: what a graph leaves behind for later ones: a forward's saved
+  activations (released by its backward) and outputs (held by the caller to
+  the end of the step), a backward's gradients.
+
+Graphs run in the order they first ran; graphs that have not run yet go in
+the usual order (forwards, then backwards in reverse, then the rest). The
+plan is a prediction: ``bench/backward_memory.py`` and the tests compare it
+with measured peaks (docs/memory_plan.md gives the errors).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from . import report
+from .errors import DonateXlaError
+from .native import memory as native_memory
+from .native import workspace
+
+MIB = 2**20
+
+_ROLE_CATEGORY = {
+    "parameter": native_memory.PARAMETERS,
+    "buffer": native_memory.BUFFERS,
+    "optimizer_state": native_memory.OPTIMIZER_STATE,
+    "other": native_memory.INPUTS,
+}
+CATEGORIES = (
+    native_memory.PARAMETERS,
+    native_memory.BUFFERS,
+    native_memory.OPTIMIZER_STATE,
+    native_memory.INPUTS,
+    native_memory.GRADIENTS,
+    native_memory.ACTIVATIONS,
+    native_memory.OUTPUTS,
+    native_memory.TEMPORARIES,
+    native_memory.WORKSPACE,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedGraph:
+    """One graph of the step: the live bytes when it starts, at its peak and when it returns."""
+
+    name: str
+    start_bytes: int
+    peak_bytes: int
+    end_bytes: int
+    peak_parts: Tuple[Tuple[str, int], ...]  # (category, bytes) live at this graph's peak
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """A step's predicted memory (bytes). ``as_text()`` and ``plot(path)`` show it."""
+
+    peak_bytes: int  # most bytes live at any point of the step
+    resident_bytes: int  # live at the start of a step
+    breakdown: Dict[str, int]  # category -> bytes live at the peak
+    graphs: Tuple[PlannedGraph, ...]  # in step order
+    choices: Tuple[str, ...]  # the levers each graph uses, and what they cost
+    path: str = "native"
+    limit_bytes: Optional[int] = None
+    notes: Tuple[str, ...] = ()  # what the plan could not see
+
+    @property
+    def growth_bytes(self) -> int:
+        """Peak above the start of the step (what a step adds to the resident tensors)."""
+        return self.peak_bytes - self.resident_bytes
+
+    def as_text(self) -> str:
+        lines = [
+            f"memory plan ({self.path} path): peak {self.peak_bytes / MIB:.1f} MiB, "
+            f"resident {self.resident_bytes / MIB:.1f} MiB, growth {self.growth_bytes / MIB:.1f} MiB"
+            + (f", limit {self.limit_bytes / MIB:.1f} MiB" if self.limit_bytes else ""),
+            "  at the peak: " + ", ".join(
+                f"{c} {b / MIB:.1f}" for c, b in self.breakdown.items() if b
+            ),
+            "  graph                       start      peak       end   (MiB)",
+        ]
+        for g in self.graphs:
+            lines.append(
+                f"  {g.name:<24} {g.start_bytes / MIB:9.1f} {g.peak_bytes / MIB:9.1f} {g.end_bytes / MIB:9.1f}"
+            )
+        lines += [f"  {c}" for c in self.choices]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def plot(self, path: str) -> str:
+        """Draw the live bytes at each graph's start, peak and end, stacked by category."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as error:
+            raise DonateXlaError(
+                "donate_xla: MemoryPlan.plot needs matplotlib, which is not installed: "
+                "pip install 'donate_backend[plot]' (or pip install matplotlib); "
+                "MemoryPlan.as_text() needs nothing.",
+                help_section="Memory plan",
+            ) from error
+        figure, axes = plt.subplots(figsize=(max(4.0, 1.4 * len(self.graphs) + 2), 4))
+        names = [g.name for g in self.graphs]
+        bottoms = [0.0] * len(self.graphs)
+        for category in CATEGORIES:
+            heights = [dict(g.peak_parts).get(category, 0) / MIB for g in self.graphs]
+            if any(heights):
+                axes.bar(names, heights, bottom=bottoms, label=category)
+                bottoms = [b + h for b, h in zip(bottoms, heights)]
+        if self.limit_bytes:
+            axes.axhline(self.limit_bytes / MIB, color="black", linestyle="--", label="limit")
+        axes.set_ylabel("MiB live at the graph's peak")
+        axes.set_title(f"peak {self.peak_bytes / MIB:.1f} MiB, resident {self.resident_bytes / MIB:.1f} MiB")
+        axes.tick_params(axis="x", labelrotation=30)
+        axes.legend(fontsize="small")
+        figure.tight_layout()
+        figure.savefig(path)
+        plt.close(figure)
+        return path
+
+
+def _step_order(records: Sequence[report.GraphRecord]) -> List[report.GraphRecord]:
+    ran = sorted((r for r in records if r.first_call is not None), key=lambda r: r.first_call)
+    waiting = [r for r in records if r.first_call is None]
+    rank = {"forward": 0, "backward": 1, "inference": 2}
+    waiting.sort(key=lambda r: (rank.get(r.kind, 3), -r.graph_id if r.kind == "backward" else r.graph_id))
+    return ran + waiting
+
+
+def _optimizer_state_bytes(optimizer, seen: set) -> int:
+    import torch
+
+    total = 0
+    for state in getattr(optimizer, "state", {}).values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+                storage = value.untyped_storage()
+                key = (str(value.device), storage.data_ptr())
+                if key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
+    return total
+
+
+def _choices(records: Iterable[report.GraphRecord]) -> Tuple[str, ...]:
+    out = []
+    for r in records:
+        if r.kind == "backward" and r.saved_freed_early is not None:
+            out.append(
+                f"{r.name}: saved tensors freed at last use ({r.saved_freed_early}), "
+                f"buffers reused ({r.buffers_reused if r.buffers_reused is not None else 'by Inductor'}); "
+                "recomputes nothing beyond the partitioner's choice"
+            )
+        if r.bucket_grads:
+            out.append(f"{r.name}: {r.bucket_grads} gradients written into DDP buckets")
+    return tuple(out)
+
+
+def memory_plan(
+    records: Optional[Sequence[report.GraphRecord]] = None, *, optimizer=None, workspaces: bool = True
+) -> MemoryPlan:
+    """The predicted memory of one step of the graphs compiled so far (see the module docstring).
+
+    ``records``: the graphs of the step (default: every graph in ``reports()``,
+    so call ``clear_reports()`` before compiling the program to plan).
+    ``optimizer``: an optimizer run eagerly, whose state the plan counts as
+    resident (its state exists once it has stepped).
+    ``workspaces``: measure the kernel workspaces of the ops that may have one
+    (``native.workspace``: each distinct op signature runs once on zeros on its
+    device); False counts none.
+    """
+    records = list(report.reports() if records is None else records)
+    native = [r for r in records if r.path == "native" and r.memory is not None]
+    if not native:
+        paths = sorted({r.path for r in records})
+        raise DonateXlaError(
+            "donate_xla: memory_plan() found no compiled native graph to plan"
+            + (f" (graphs on the {', '.join(paths)} path only; the XLA path has no plan yet)" if paths else "")
+            + ". Compile and run the step once (the graphs are compiled on their first call), "
+            "then call memory_plan().",
+            help_section="Memory plan",
+        )
+    seen: set = set()
+    resident: Dict[str, int] = {c: 0 for c in CATEGORIES}
+    for r in native:
+        for role, storage, nbytes in r.held_inputs:
+            category = _ROLE_CATEGORY.get(role)
+            if category is None or storage in seen:
+                continue  # gradients come from the backward that makes them
+            seen.add(storage)
+            resident[category] += nbytes
+    if optimizer is not None:
+        resident[native_memory.OPTIMIZER_STATE] += _optimizer_state_bytes(optimizer, seen)
+    resident_bytes = sum(resident.values())
+
+    carried: Dict[str, int] = {c: 0 for c in CATEGORIES}
+    level = resident_bytes
+    peak, breakdown = resident_bytes, dict(resident)
+    passed = 0  # input gradients a backward returned that an earlier graph's backward takes
+    planned = []
+    outputs_of = {r.graph_id: dict(r.memory.end_parts).get(native_memory.OUTPUTS, 0)
+                  for r in native if r.kind == "forward"}
+    for r in _step_order(native):
+        m = r.memory
+        if m.kind == "backward" and r.outputs_held_bytes is not None:
+            # The outputs of its forward that the caller dropped before the backward ran
+            # (``loss = f(x).sum()`` keeps no output; an HF model's output object keeps all).
+            dropped = max(0, min(outputs_of.get(r.graph_id, 0), carried[native_memory.OUTPUTS]) - r.outputs_held_bytes)
+            carried[native_memory.OUTPUTS] -= dropped
+            level -= dropped
+        if m.kind == "backward":
+            # Its tangents exist before it runs: taken from what a later backward passed
+            # on, the rest made by the caller (the loss's ones, zeros for outputs that got
+            # no gradient).
+            tangents = m.tangent_bytes if r.tangent_bytes is None else r.tangent_bytes
+            taken = min(passed, tangents)
+            passed -= taken
+            fresh = tangents - taken
+            carried[native_memory.GRADIENTS] += fresh
+            level += fresh
+        start = level
+        own_peak, own_parts = m.peak_bytes, dict(m.peak_parts)
+        if workspaces:
+            for at, parts, call in m.workspace_points:
+                extra = workspace.workspace_bytes(call)
+                if extra and at + extra > own_peak:
+                    own_peak = at + extra
+                    own_parts = dict(parts, **{native_memory.WORKSPACE: extra})
+        at_peak = {c: resident[c] + carried[c] + own_parts.get(c, 0) for c in CATEGORIES}
+        graph_peak = start + own_peak
+        if graph_peak > peak:
+            peak, breakdown = graph_peak, at_peak
+        for category, nbytes in m.end_parts:
+            carried[category] = carried.get(category, 0) + nbytes
+        level = start + m.end_bytes
+        passed += m.passed_grad_bytes
+        planned.append(PlannedGraph(r.name, start, graph_peak, level, tuple(at_peak.items())))
+    unplanned = [r.name for r in records if r.path == "native" and r.memory is None]
+    return MemoryPlan(
+        peak_bytes=peak,
+        resident_bytes=resident_bytes,
+        breakdown={c: b for c, b in breakdown.items()},
+        graphs=tuple(planned),
+        choices=_choices(native),
+        notes=tuple(f"{name}: no prediction (its replay failed; DONATE_XLA_DEBUG=1 logs why), not counted"
+                    for name in unplanned),
+    )
