@@ -91,27 +91,46 @@ def _no_torch_xla_message(graph_id: int, example_inputs: Sequence) -> str:
 
 
 def _kind_compiler(
-    path_compile: Callable, graph_id: int, roles: tuple, kind: str, captured=None
+    path_compile: Callable, graph_id: int, roles: tuple, kind: str, captured=None, overrides: tuple = ()
 ) -> Callable:
     def compile_one(gm: torch.fx.GraphModule, example_inputs):
-        return path_compile(gm, list(example_inputs), GraphContext(graph_id, kind, roles, captured))
+        # A backward is compiled when it first runs, outside the backend call: the
+        # function's options are entered again here.
+        with config.overriding(overrides):
+            compiled = path_compile(gm, list(example_inputs), GraphContext(graph_id, kind, roles, captured))
+        return CompiledWithOptions(compiled, overrides) if overrides else compiled
 
     return compile_one
 
 
-def check_compile_arguments(graph_id: int, mode=None, options=None, **others) -> None:
+class CompiledWithOptions:
+    """A compiled graph of a function given ``torch.compile(options=...)``: every call
+    runs under those settings (``config.overriding``). Boxed, like the graph it wraps."""
+
+    def __init__(self, compiled: Callable, overrides: tuple) -> None:
+        self._boxed_call = True  # an instance attribute: dynamo's disable() copies __dict__
+        self.compiled = compiled
+        self.overrides = overrides
+
+    def __call__(self, args):
+        with config.overriding(self.overrides):
+            return self.compiled(args)
+
+    def __getattr__(self, name):  # the wrapped graph's attributes (report, source)
+        return getattr(self.__dict__["compiled"], name)
+
+
+def compile_options(graph_id: int, mode=None, options=None, **others) -> tuple:
     """``torch.compile``'s ``mode`` and ``options`` reach a custom backend as keyword
-    arguments. ``options`` is refused (ignoring it would leave the user believing a
-    setting took effect); a ``mode`` other than the default is ignored with a warning
-    (Inductor's modes: CUDA graphs, autotuning)."""
-    if options or others:
-        given = sorted(options or {}) + sorted(others)
+    arguments. ``options`` sets fields of ``config.Settings`` for this compiled function
+    (checked here: an unknown key or a bad value is refused); a ``mode`` other than the
+    default is ignored with a warning (Inductor's modes: CUDA graphs, autotuning); any
+    other argument is refused."""
+    if others:
         raise DonateXlaError(
-            f"donate_xla: graph {graph_id}: torch.compile(options=...) is not supported "
-            f"(given: {', '.join(map(str, given))}). donate_xla's settings are read at every "
-            "call from the DONATE_XLA_* environment variables or donate_backend.config.patch(...): "
-            + ", ".join(f.name for f in dataclasses.fields(config.Settings))
-            + " (README, 'Switches'). Call torch.compile without options.",
+            f"donate_xla: graph {graph_id}: unknown torch.compile argument(s) "
+            f"{', '.join(sorted(others))}; donate_xla takes options={{...}} with fields of "
+            "donate_backend.config.Settings.",
             help_section="Settings and `torch.compile` arguments",
         )
     if mode not in (None, "default"):
@@ -119,6 +138,15 @@ def check_compile_arguments(graph_id: int, mode=None, options=None, **others) ->
             f"donate_xla ignores torch.compile(mode={mode!r}): the modes select Inductor's "
             "features (CUDA graphs, autotuning); donate_xla compiles the same way in every mode."
         )
+    try:
+        return config.options_overrides(options)
+    except ValueError as error:
+        raise DonateXlaError(
+            f"donate_xla: graph {graph_id}: torch.compile(options=...) refused: {error}. "
+            "Options apply to this compiled function only; DONATE_XLA_* variables and "
+            "donate_backend.config.patch(...) set the process defaults (README, 'Switches').",
+            help_section="Settings and `torch.compile` arguments",
+        ) from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,24 +157,27 @@ def _warn_once(message: str) -> None:
 def donate_xla(gm: torch.fx.GraphModule, example_inputs, **compile_arguments):
     """Dynamo backend entry point (registered as ``"donate_xla"``)."""
     graph_id = next(_graph_ids)
-    check_compile_arguments(graph_id, **compile_arguments)
-    path = _path_module(graph_device_type(example_inputs), graph_id, example_inputs)
-    path.check_dynamo_graph(gm, example_inputs, graph_id)
-    rewrite_hidden_writes(gm)
-    path.prepare_dynamo_graph(gm)
-    roles = dynamo_input_roles(gm, example_inputs)
-    captured = path.capture(gm, example_inputs)  # here: inside dynamo, before aot_autograd
-    make = functools.partial(_kind_compiler, path.compile_graph, graph_id, roles, captured=captured)
-    aot_options = dict(
-        fw_compiler=make("forward"),
-        bw_compiler=make("backward"),
-        inference_compiler=make("inference"),
-        keep_inference_input_mutations=True,
-    )
-    aot_options.update(path.aot_options())
-    if "partition_fn" in aot_options:
-        aot_options["partition_fn"] = guard_stale_reads(aot_options["partition_fn"], graph_id)
-    return aot_autograd(**aot_options)(gm, example_inputs)
+    overrides = compile_options(graph_id, **compile_arguments)
+    with config.overriding(overrides):
+        path = _path_module(graph_device_type(example_inputs), graph_id, example_inputs)
+        path.check_dynamo_graph(gm, example_inputs, graph_id)
+        rewrite_hidden_writes(gm)
+        path.prepare_dynamo_graph(gm)
+        roles = dynamo_input_roles(gm, example_inputs)
+        captured = path.capture(gm, example_inputs)  # here: inside dynamo, before aot_autograd
+        make = functools.partial(
+            _kind_compiler, path.compile_graph, graph_id, roles, captured=captured, overrides=overrides
+        )
+        aot_options = dict(
+            fw_compiler=make("forward"),
+            bw_compiler=make("backward"),
+            inference_compiler=make("inference"),
+            keep_inference_input_mutations=True,
+        )
+        aot_options.update(path.aot_options())
+        if "partition_fn" in aot_options:
+            aot_options["partition_fn"] = guard_stale_reads(aot_options["partition_fn"], graph_id)
+        return aot_autograd(**aot_options)(gm, example_inputs)
 
 
 def guard_stale_reads(partition_fn: Callable, graph_id: int) -> Callable:

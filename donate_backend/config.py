@@ -5,11 +5,19 @@ Tests and users change them from Python with ``config.patch(...)``. Every
 compiled artefact records the ``Settings`` it was built with and checks
 ``cache_key()`` when it is called, so flipping a switch recompiles instead of
 reusing code built under the other setting.
+
+``torch.compile(f, backend="donate_xla", options={...})`` sets fields for one
+compiled function: ``options_overrides`` validates them, and the backend
+compiles and runs that function's graphs inside ``overriding(...)``, a
+context-local layer over the process settings (options beat
+``config.patch`` and the environment, for that function only).
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
+import functools
 import os
 from typing import Iterator, Mapping, Optional
 
@@ -111,8 +119,18 @@ def settings_from_env(environ: Mapping[str, str]) -> Settings:
 _current = settings_from_env(os.environ)
 
 
+_overrides: contextvars.ContextVar[tuple] = contextvars.ContextVar("donate_xla_overrides", default=())
+
+
+@functools.lru_cache(maxsize=256)
+def _effective(base: Settings, overrides: tuple) -> tuple:
+    settings = dataclasses.replace(base, **dict(overrides))
+    return settings, dataclasses.astuple(settings)
+
+
 def current() -> Settings:
-    return _current
+    overrides = _overrides.get()
+    return _current if not overrides else _effective(_current, overrides)[0]
 
 
 _current_key = dataclasses.astuple(_current)
@@ -121,7 +139,55 @@ _current_key = dataclasses.astuple(_current)
 def cache_key() -> tuple:
     """The part of every compile cache key that comes from the switches (read on
     every compiled call, so computed only when the switches change)."""
-    return _current_key
+    overrides = _overrides.get()
+    return _current_key if not overrides else _effective(_current, overrides)[1]
+
+
+@contextlib.contextmanager
+def overriding(overrides: tuple) -> Iterator[Settings]:
+    """Run with ``overrides`` (``options_overrides``'s result) over the process settings."""
+    if not overrides:
+        yield current()
+        return
+    token = _overrides.set(overrides)
+    try:
+        yield current()
+    finally:
+        _overrides.reset(token)
+
+
+def active_overrides() -> tuple:
+    """The ``torch.compile(options=...)`` in force here (``()`` outside any)."""
+    return _overrides.get()
+
+
+_FIELD_TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str, "Optional[bool]": (bool, type(None))}
+
+
+def options_overrides(options: Optional[Mapping]) -> tuple:
+    """Check ``torch.compile(options=...)`` and return it as sorted ``(field, value)`` pairs.
+
+    Raises ``ValueError`` naming an unknown key (with the valid ones) or a value of
+    the wrong type or range.
+    """
+    if not options:
+        return ()
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    unknown = sorted(str(k) for k in options if k not in fields)
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)}; donate_xla's options are the fields of "
+            f"donate_backend.config.Settings: {', '.join(fields)}"
+        )
+    for name, value in options.items():
+        expected = _FIELD_TYPES.get(str(fields[name].type))
+        if expected is not None and (not isinstance(value, expected) or (
+            isinstance(value, bool) and bool not in (expected if isinstance(expected, tuple) else (expected,))
+        )):
+            raise ValueError(f"option {name}={value!r}: expected {fields[name].type}")
+    overrides = tuple(sorted(options.items()))
+    dataclasses.replace(_current, **options)  # the fields' own checks (ranges, names)
+    return overrides
 
 
 @contextlib.contextmanager

@@ -173,7 +173,8 @@ def _make_ddp(task, options: dict, ddp_kwargs: dict, compiled: bool):
         model.compile(backend="donate_xla")  # DDP(compiled model): DDP's forward runs eagerly
         runner = ddp
     else:
-        runner = torch.compile(ddp, backend="donate_xla") if compiled else ddp
+        compile_options = options.get("compile_options")  # torch.compile(options=...)
+        runner = torch.compile(ddp, backend="donate_xla", options=compile_options) if compiled else ddp
     return model, ddp, runner
 
 

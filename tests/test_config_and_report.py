@@ -107,10 +107,11 @@ def test_record_of_a_split_backward_says_how_many_segments_and_what_they_release
     assert "segments" not in report.format_record(plain)
 
 
-def test_compile_options_are_refused_and_modes_ignored_with_a_warning():
-    """``torch.compile``'s ``options`` reach the backend; ignoring them would let a user
-    believe a setting took effect. They are refused with the settings that exist; a
-    mode (Inductor's CUDA graphs, autotuning) compiles as the default does, with a warning."""
+def test_unknown_or_bad_compile_options_are_refused_and_modes_ignored_with_a_warning():
+    """``torch.compile``'s ``options`` reach the backend as settings of that function; an
+    unknown key or a bad value is refused with the settings that exist (ignoring it would
+    let a user believe it took effect). A mode (Inductor's CUDA graphs, autotuning)
+    compiles as the default does, with a warning."""
     import warnings
 
     import torch
@@ -121,11 +122,15 @@ def test_compile_options_are_refused_and_modes_ignored_with_a_warning():
         return x * 2 + 1
 
     x = torch.arange(3.0)
-    with pytest.raises(Exception, match=r"options=\.\.\.\) is not supported \(given: activation_budget\)") as info:
-        torch.compile(f, backend="donate_xla", options={"activation_budget": 0.5})(x)
+    with pytest.raises(Exception, match=r"options=\.\.\.\) refused: unknown option\(s\) budget") as info:
+        torch.compile(f, backend="donate_xla", options={"budget": 0.5})(x)
     assert DonateXlaError.__name__ in str(info.value)  # dynamo wraps it, keeping the message
-    assert "DONATE_XLA_* environment variables" in str(info.value) and "stitch" in str(info.value)
+    assert "activation_budget" in str(info.value) and "stitch" in str(info.value)
     assert 'docs/troubleshooting.md, "Settings and `torch.compile` arguments"' in str(info.value)
+    for bad, says in (({"free_saved": 1}, "expected bool"), ({"activation_budget": 1.5}, "must be in")):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=says):
+            torch.compile(f, backend="donate_xla", options=bad)(x)
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -137,6 +142,36 @@ def test_compile_options_are_refused_and_modes_ignored_with_a_warning():
         warnings.simplefilter("always")
         assert torch.equal(torch.compile(f, backend="donate_xla")(x), f(x))
     assert not any("ignores torch.compile" in str(w.message) for w in caught)
+
+
+def test_two_functions_in_one_process_run_under_their_own_options():
+    """One model compiled with ``options={"free_saved": False}`` (the plain backward, which
+    frees nothing early) and one with the defaults: each graph is built and run under its
+    own function's settings, backwards (compiled when they first run) included, and the
+    process settings are untouched. Values equal eager for both."""
+    import copy
+
+    import torch
+
+    import donate_backend
+    from donate_backend import config
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    plain, freeing = copy.deepcopy(eager), copy.deepcopy(eager)
+    run_plain = torch.compile(plain, backend="donate_xla", options={"free_saved": False})
+    run_freeing = torch.compile(freeing, backend="donate_xla")
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        for model, run in ((eager, eager), (plain, run_plain), (freeing, run_freeing)):
+            run(x).square().mean().backward()
+    for a, b, c in zip(eager.parameters(), plain.parameters(), freeing.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
+        torch.testing.assert_close(c.grad, a.grad)
+    backwards = [r for r in donate_backend.reports() if r.kind == "backward"]
+    assert sorted(r.saved_freed_early for r in backwards) == [0, max(r.saved_freed_early for r in backwards)]
+    assert max(r.saved_freed_early for r in backwards) > 0
+    assert config.current().free_saved is True
 
 
 def test_every_error_names_a_section_of_the_troubleshooting_page_that_exists():

@@ -236,6 +236,17 @@ def test_switch_off_from_the_start_keeps_ddp_path():
         assert all(n in (None, 0) for n in result["bucket_grads"])
 
 
+def test_bucket_view_off_as_a_compile_option_keeps_ddp_path():
+    """``options={"bucket_view": False}`` for the compiled DDP module only: its graphs and
+    its forward pre-hook (which runs outside them) both keep DDP's normal path."""
+    results = run_job(dict(name="option_off", program=train(3),
+                           options={"compile_options": {"bucket_view": False}}))
+    assert_equal_on_every_rank(results)
+    for result in results:
+        assert result["slot_writes"] == [0, 0, 0]
+        assert all(n in (None, 0) for n in result["bucket_grads"])
+
+
 @pytest.mark.parametrize("gradient_as_bucket_view", [True, False])
 def test_switch_turned_off_after_capture_restores_ddp(gradient_as_bucket_view):
     program = train(3) + train(2, settings={"bucket_view": False})

@@ -210,6 +210,50 @@ def test_the_switch_is_read_when_the_backward_is_built(xla_device):
     assert [r.backward_segments for r in donate_backend.reports() if r.backward_segments] != []
 
 
+def test_per_compile_options_set_segments_for_one_function_only(xla_device):
+    """Two models in one process: one compiled with ``options={"backward_segments": 3}``,
+    one without. Only the first one's backward runs in segments (its backward is built
+    when it first runs, outside the backend call); both train like the CPU."""
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)
+        )
+
+    cpu = make()
+    models = {"segments": make().to(xla_device), "default": make().to(xla_device)}
+    options = {"segments": {"backward_segments": 3}, "default": None}
+    steps = {}
+    for name, model in models.items():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, model=model, opt=opt):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        steps[name] = torch.compile(step, backend="donate_xla", options=options[name])
+    cpu_opt = torch.optim.SGD(cpu.parameters(), lr=0.1)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        for name in models:
+            steps[name](x.to(xla_device))
+        cpu(x).square().mean().backward()
+        cpu_opt.step()
+        cpu_opt.zero_grad()
+    for model in models.values():
+        for a, b in zip(cpu.parameters(), model.parameters()):
+            torch.testing.assert_close(b.detach().cpu(), a.detach(), **TOL)
+    backwards = [r for r in donate_backend.reports() if r.kind == "backward"]
+    split = {r.graph_id for r in backwards if r.backward_segments}
+    assert len(split) == 1 and all(r.backward_segments <= 3 for r in backwards)
+    assert {r.graph_id for r in backwards} - split  # the other function's backward: one executable
+    assert config.current().backward_segments == 0
+
+
 def _live_growth(count: int) -> dict:
     env = {"DONATE_XLA_BACKWARD_SEGMENTS": str(count)}
     return live_growth(env, depth=12, width=1024, batch=1024, activation="Tanh", bias=False)

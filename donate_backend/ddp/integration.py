@@ -96,6 +96,9 @@ class ModuleBinding:
         self.state: Optional[DDPBucketState] = None
         self.reason: Optional[str] = None  # why the module is on DDP's normal path now
         self.fixed_reason = eligibility.fixed_reason(ddp_module)  # checked once
+        # torch.compile(options=...) of the compiled function that traced the module: its
+        # forward pre-hook runs outside the compiled graphs, so it enters them itself
+        self.overrides: tuple = ()
         self._lock = threading.Lock()
 
     def module(self):
@@ -152,7 +155,8 @@ class ModuleBinding:
 
     def before_forward(self, _module, _args) -> None:
         """Forward pre-hook of the DDP module: runs before DDP prepares its reducer."""
-        self.reconcile(config.current())
+        with config.overriding(self.overrides) as settings:
+            self.reconcile(settings)
 
 
 def binding_of(ddp_module) -> Optional[ModuleBinding]:
@@ -193,6 +197,7 @@ def capture(gm, example_inputs) -> Optional[DDPGraphInfo]:
             type(ddp_module.module).__name__,
         )
         return None
+    binding.overrides = config.active_overrides()
     binding.reconcile(config.current())
     tensors = plan.placeholder_tensors(gm, example_inputs)
     kinds = tensors if len(example_inputs) != len(tensors) else example_inputs
