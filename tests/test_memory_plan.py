@@ -245,3 +245,36 @@ def test_allocation_peak_guard_without_kineto_results_or_under_a_running_profile
 
     monkeypatch.setattr(torch.profiler, "profile", NoResults)
     assert compat.allocation_peak_bytes(lambda: None, torch.device("cpu")) is None
+
+
+def test_activation_budget_on_the_native_path_lowers_the_plan_and_the_measured_growth():
+    """``options={"activation_budget": 0.1}``: the partitioner saves less and recomputes the
+    rest (dropout masks stay saved, so the gradients still equal eager's with the same
+    seed); the plan and the profiler both see the lower growth."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Dropout(0.1)]
+    eager = torch.nn.Sequential(*layers)
+    x = torch.randn(512, 512)
+    growth = {}
+    for share in (1.0, 0.1):
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
+        model = copy.deepcopy(eager)
+        run = torch.compile(lambda x: model(x).square().mean(), backend="donate_xla",
+                            options={"activation_budget": share})
+        torch.manual_seed(1)
+        run(x).backward()
+        eager.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        eager(x).square().mean().backward()
+        for got, expected in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(got.grad, expected.grad)
+        model.zero_grad(set_to_none=True)
+        measured = profiler_peak_bytes(lambda: run(x).backward())
+        planned = donate_backend.memory_plan().growth_bytes
+        assert abs(planned / measured - 1) <= TOLERANCE
+        growth[share] = measured
+    print(f"\ngrowth at budget 1.0 {growth[1.0] / 2**20:.1f} MiB, at 0.1 {growth[0.1] / 2**20:.1f} MiB")
+    assert growth[0.1] < 0.8 * growth[1.0]

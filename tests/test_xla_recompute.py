@@ -190,7 +190,7 @@ def test_random_ops_of_a_joint_graph_are_marked_as_saved(monkeypatch):
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils.checkpoint import CheckpointPolicy
 
-    import donate_backend.xla as xla_path
+    from donate_backend import budget
     from donate_backend.errors import UnsupportedGraphError
 
     def joint(x):
@@ -198,10 +198,10 @@ def test_random_ops_of_a_joint_graph_are_marked_as_saved(monkeypatch):
         return torch.ops.aten.native_dropout(noisy.tanh(), 0.3, True)
 
     gm = make_fx(joint)(torch.randn(4, 4))
-    assert xla_path.keep_random_values_saved(gm) == 3
+    assert budget.keep_random_values_saved(gm) == 3
     marked = sorted(str(n.target) for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE)
     assert marked == ["aten.bernoulli.default", "aten.native_dropout.default", "aten.randn_like.default"]
 
     monkeypatch.delattr(torch.utils.checkpoint, "CheckpointPolicy")
     with pytest.raises(UnsupportedGraphError, match="cannot mark random ops"):
-        xla_path.keep_random_values_saved(gm)
+        budget.keep_random_values_saved(gm)

@@ -21,7 +21,9 @@ See docs/native.md.
 """
 from __future__ import annotations
 
-from .. import config
+import functools
+
+from .. import budget, config
 from .capture import capture
 from .compiled import compile_graph
 
@@ -31,13 +33,19 @@ def aot_options() -> dict:
 
     The ATen executor uses the min-cut partitioner, as ``aot_eager`` does: it
     recomputes cheap ops in the backward instead of saving their results, which
-    saved 15 to 30% of the forward+backward peak on the HF models (issue 11).
+    saved 15 to 30% of the forward+backward peak on the HF models. Either
+    executor's partitioner runs under the activation budget in force
+    (``budget.partition``).
     """
     from . import compat
 
     if config.current().native_compiler == "inductor":
-        return compat.inductor_aot_options()
-    return compat.aten_aot_options()
+        options = compat.inductor_aot_options()
+    else:
+        options = compat.aten_aot_options()
+    if "partition_fn" in options:
+        options["partition_fn"] = functools.partial(budget.partition, options["partition_fn"])
+    return options
 
 
 def check_dynamo_graph(gm, example_inputs, graph_id: int) -> None:
