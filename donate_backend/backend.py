@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
-from . import config
+from . import budget, config
 from .analysis import stale_reads
 from .analysis.mutation import dynamo_input_roles
 from .errors import DonateXlaError
@@ -187,7 +187,12 @@ def guard_stale_reads(partition_fn: Callable, graph_id: int) -> Callable:
 
     def partition(joint, joint_inputs, **kwargs):
         overwritten = stale_reads.pin_reads_of_overwritten_inputs(joint)
-        fw_module, bw_module = partition_fn(joint, joint_inputs, **kwargs)
+        try:
+            fw_module, bw_module = partition_fn(joint, joint_inputs, **kwargs)
+        except budget.MemoryLimitError as error:
+            raise budget.MemoryLimitError(
+                str(error.args[0]).replace("this graph's", f"graph {graph_id}'s", 1)
+            ) from None
         stale_reads.check_backward_reads(fw_module, bw_module, overwritten, f"graph {graph_id}")
         return fw_module, bw_module
 

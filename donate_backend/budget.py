@@ -6,27 +6,85 @@ At ``Settings.activation_budget`` 1.0 it is plain min-cut; below, aot_autograd's
 memory-budget partitioner (``torch._functorch.config.activation_memory_budget``)
 picks what to recompute, and random ops are never among it
 (``keep_random_values_saved``).
+
+Under a ``memory_limit`` (native path: ``partition(..., fit=True)``) it tries
+the budget in force, then smaller shares (``SHARES``), predicting each
+candidate's step peak from a replay of its forward and backward
+(``native.memory``), and keeps the first that fits: the least recomputation
+that fits. When none does it raises ``MemoryLimitError`` before anything runs,
+with the least bytes any candidate needs.
 """
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
+import torch.fx
 
 from . import config
-from .errors import UnsupportedGraphError
+from .errors import DonateXlaError, UnsupportedGraphError
 
 log = logging.getLogger("donate_xla")
 
 
-def partition(min_cut, *args, **kwargs):
-    """Min-cut under the activation budget in force (``DONATE_XLA_ACTIVATION_BUDGET``).
+SHARES = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)  # activation budgets tried under a memory limit
+CHOICE_META = "donate_xla_budget_choice"  # forward module meta: what the limit chose, as text
+
+
+class MemoryLimitError(DonateXlaError):
+    """No activation budget fits a graph's step under ``memory_limit``."""
+
+    help_section = "Memory plan"
+
+
+def partition(min_cut, *args, fit: bool = False, **kwargs):
+    """Min-cut under the activation budget in force (``DONATE_XLA_ACTIVATION_BUDGET``),
+    or, with ``fit`` and a ``memory_limit``, under the first budget that fits it.
 
     Below 1.0, aot_autograd's memory-budget partitioning saves only that share
     of the activations (by its own estimate) and recomputes the rest in the
     backward: less memory held from forward to backward, more compute.
     """
-    share = config.current().activation_budget
+    settings = config.current()
+    if fit and settings.memory_limit is not None:
+        return _fit(min_cut, settings, *args, **kwargs)
+    return _partition_at(settings.activation_budget, min_cut, *args, **kwargs)
+
+
+def _fit(min_cut, settings, joint, *args, **kwargs):
+    from .native import memory
+
+    limit = settings.memory_limit
+    tried = []
+    shares = [s for s in SHARES if s <= settings.activation_budget] or [settings.activation_budget]
+    for share in shares:
+        candidate = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))  # meta values shared
+        fw_module, bw_module = _partition_at(share, min_cut, candidate, *args, **kwargs)
+        peak, parts = memory.predict_step(fw_module, bw_module, kwargs.get("num_fwd_outputs"))
+        tried.append((share, peak, parts))
+        if peak <= limit:
+            fw_module.meta[CHOICE_META] = (
+                f"activation budget {share:g} chosen under memory_limit {_mib(limit)} "
+                f"(predicted step peak {_mib(peak)}; tried {', '.join(f'{s:g}: {_mib(p)}' for s, p, _ in tried)})"
+            )
+            return fw_module, bw_module
+    share, least, parts = min(tried, key=lambda t: t[1])
+    largest = ", ".join(f"{c} {_mib(b)}" for c, b in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if b > 0)
+    raise MemoryLimitError(
+        f"donate_xla: this graph's training step needs at least {_mib(least)} ({least} bytes, the "
+        f"least of the activation budgets tried: {', '.join(f'{s:g}' for s, _, _ in tried)}; "
+        f"at {share:g}), but memory_limit is {_mib(limit)} ({limit} bytes); largest at the peak: "
+        f"{largest}. Nothing has run. Raise the limit, or lower what the step holds (a smaller "
+        "batch, fewer parameters on this device)."
+    )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _partition_at(share: float, min_cut, *args, **kwargs):
     if share >= 1.0:
         return min_cut(*args, **kwargs)
     import torch._functorch.config as functorch_config

@@ -39,6 +39,9 @@ class Settings:
     # DONATE_XLA_BACKWARD_SEGMENTS: XLA backward graphs run as up to this many executables,
     # each saved tensor released after the last one that reads it (0 or 1: one executable)
     backward_segments: int = 0
+    # DONATE_XLA_MEMORY_LIMIT: bytes (or "12GiB", "500MB") a step may use; the native path
+    # picks the least activation recomputation that fits, or refuses the graph before it runs
+    memory_limit: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.native_compiler not in _NATIVE_COMPILERS:
@@ -50,6 +53,13 @@ class Settings:
             raise ValueError(
                 f"donate_xla: activation_budget must be in (0, 1], got {self.activation_budget!r} "
                 "(set DONATE_XLA_ACTIVATION_BUDGET, e.g. 0.5 to save about half the activations)"
+            )
+        if self.memory_limit is not None and (
+            isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int) or self.memory_limit <= 0
+        ):
+            raise ValueError(
+                f"donate_xla: memory_limit must be a number of bytes > 0, got {self.memory_limit!r} "
+                "(set DONATE_XLA_MEMORY_LIMIT, e.g. 12GiB, or options={'memory_limit': '12GiB'})"
             )
         if isinstance(self.backward_segments, bool) or not isinstance(self.backward_segments, int) or self.backward_segments < 0:
             raise ValueError(
@@ -80,6 +90,29 @@ def _parse_bool(name: str, raw: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"donate_xla: {name}={raw!r} is not a boolean; use 1 or 0")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(raw, name: str = "memory_limit") -> int:
+    """``12GiB``, ``500 MB``, ``1e9`` or an int -> bytes (``ValueError`` otherwise)."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(raw))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"donate_xla: {name}={raw!r} is not a size; use bytes or a number with a unit "
+            "(KiB, MiB, GiB, TiB or KB, MB, GB, TB), e.g. 12GiB"
+        )
+    try:
+        return int(float(match.group(1)) * _UNITS[unit])
+    except ValueError:
+        raise ValueError(f"donate_xla: {name}={raw!r} is not a size; e.g. 12GiB") from None
 
 
 def settings_from_env(environ: Mapping[str, str]) -> Settings:
@@ -113,6 +146,8 @@ def settings_from_env(environ: Mapping[str, str]) -> Settings:
             raise ValueError(
                 f"donate_xla: DONATE_XLA_BACKWARD_SEGMENTS={raw!r} is not a whole number; use e.g. 8 (0: off)"
             ) from None
+    if environ.get("DONATE_XLA_MEMORY_LIMIT", "").strip():
+        kwargs["memory_limit"] = parse_bytes(environ["DONATE_XLA_MEMORY_LIMIT"], "DONATE_XLA_MEMORY_LIMIT")
     return Settings(**kwargs)
 
 
@@ -161,7 +196,10 @@ def active_overrides() -> tuple:
     return _overrides.get()
 
 
-_FIELD_TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str, "Optional[bool]": (bool, type(None))}
+_FIELD_TYPES = {
+    "bool": bool, "int": int, "float": (int, float), "str": str,
+    "Optional[bool]": (bool, type(None)), "Optional[int]": (int, str, type(None)),
+}
 
 
 def options_overrides(options: Optional[Mapping]) -> tuple:
@@ -185,6 +223,9 @@ def options_overrides(options: Optional[Mapping]) -> tuple:
             isinstance(value, bool) and bool not in (expected if isinstance(expected, tuple) else (expected,))
         )):
             raise ValueError(f"option {name}={value!r}: expected {fields[name].type}")
+    options = dict(options)
+    if isinstance(options.get("memory_limit"), str):
+        options["memory_limit"] = parse_bytes(options["memory_limit"])
     overrides = tuple(sorted(options.items()))
     dataclasses.replace(_current, **options)  # the fields' own checks (ranges, names)
     return overrides

@@ -156,6 +156,8 @@ def _optimizer_state_bytes(optimizer, seen: set) -> int:
 def _choices(records: Iterable[report.GraphRecord]) -> Tuple[str, ...]:
     out = []
     for r in records:
+        if r.budget_choice:
+            out.append(f"{r.name}: {r.budget_choice}")
         if r.kind == "backward" and r.saved_freed_early is not None:
             out.append(
                 f"{r.name}: saved tensors freed at last use ({r.saved_freed_early}), "

@@ -77,6 +77,7 @@ class GraphRecord:
     # and the bytes of them still alive when its backward first ran
     output_storages: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
     outputs_held_bytes: Optional[int] = None
+    budget_choice: Optional[str] = None  # native forward: the activation budget a memory_limit chose
     # XLA path: the lowered graph (``xla.lower.LoweredGraph``); ``lowered.traced`` is
     # the traced stage. Each prints itself with ``as_text()``.
     lowered: Any = dataclasses.field(default=None, repr=False, compare=False)

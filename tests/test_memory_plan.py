@@ -278,3 +278,70 @@ def test_activation_budget_on_the_native_path_lowers_the_plan_and_the_measured_g
         growth[share] = measured
     print(f"\ngrowth at budget 1.0 {growth[1.0] / 2**20:.1f} MiB, at 0.1 {growth[0.1] / 2**20:.1f} MiB")
     assert growth[0.1] < 0.8 * growth[1.0]
+
+
+def _six_layers():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(512, 512), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def _train_three_steps(model, run, x):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        run(x).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_memory_limit_below_the_default_peak_is_met_with_eager_values():
+    """A limit at the resident bytes plus 0.7 of the default's growth: the partitioner
+    recomputes (budget 0.7 here) and the measured peak stays under the limit; three SGD
+    steps equal eager's; the plan names the choice."""
+    x = torch.randn(1024, 512)
+    eager = _six_layers()
+    default = copy.deepcopy(eager)
+    run = torch.compile(lambda x: default(x).square().mean(), backend="donate_xla")
+    plan, default_growth = _predicted_and_measured(default, lambda: run(x).backward())
+    limit = plan.resident_bytes + int(0.7 * default_growth)
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    limited = copy.deepcopy(eager)
+    run = torch.compile(lambda x: limited(x).square().mean(), backend="donate_xla",
+                        options={"memory_limit": limit})
+    _train_three_steps(limited, run, x)
+    _train_three_steps(eager, lambda x: eager(x).square().mean(), x)
+    for got, expected in zip(limited.parameters(), eager.parameters()):
+        torch.testing.assert_close(got, expected)
+    growth = _growth(lambda: run(x).backward(), limited)
+    choice = donate_backend.memory_plan()
+    print(f"\ndefault growth {default_growth / 2**20:.1f} MiB; under the limit {growth / 2**20:.1f} MiB\n{choice.as_text()}")
+    assert choice.resident_bytes + growth <= limit
+    assert any("chosen under memory_limit" in c for c in choice.choices)
+
+
+def test_an_impossible_memory_limit_is_refused_before_anything_runs():
+    model = _six_layers()
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    run = torch.compile(lambda x: model(x).square().mean(), backend="donate_xla",
+                        options={"memory_limit": "5MiB"})
+    with pytest.raises(Exception, match=r"graph \d+'s training step needs at least [\d.]+ MiB") as info:
+        run(torch.randn(1024, 512))
+    text = str(info.value)
+    assert "MemoryLimitError" in text and "memory_limit is 5.0 MiB (5242880 bytes)" in text
+    assert "largest at the peak" in text and "Nothing has run" in text
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert calls == []  # dynamo traced the hook; the compiled code never ran
+
+
+def test_memory_limit_from_the_environment_takes_sizes_with_units():
+    assert config.settings_from_env({"DONATE_XLA_MEMORY_LIMIT": "2GiB"}).memory_limit == 2**31
+    assert config.settings_from_env({"DONATE_XLA_MEMORY_LIMIT": "500 MB"}).memory_limit == 500 * 10**6
+    assert config.settings_from_env({}).memory_limit is None
+    with pytest.raises(ValueError, match="is not a size"):
+        config.settings_from_env({"DONATE_XLA_MEMORY_LIMIT": "lots"})

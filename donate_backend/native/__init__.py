@@ -34,7 +34,8 @@ def aot_options() -> dict:
     The ATen executor uses the min-cut partitioner, as ``aot_eager`` does: it
     recomputes cheap ops in the backward instead of saving their results, which
     saved 15 to 30% of the forward+backward peak on the HF models. Either
-    executor's partitioner runs under the activation budget in force
+    executor's partitioner runs under the activation budget in force, or
+    under a ``memory_limit`` the first budget whose step fits it
     (``budget.partition``).
     """
     from . import compat
@@ -44,7 +45,7 @@ def aot_options() -> dict:
     else:
         options = compat.aten_aot_options()
     if "partition_fn" in options:
-        options["partition_fn"] = functools.partial(budget.partition, options["partition_fn"])
+        options["partition_fn"] = functools.partial(budget.partition, options["partition_fn"], fit=True)
     return options
 
 

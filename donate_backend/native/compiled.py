@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .. import builds, config, ddp, report
+from .. import budget, builds, config, ddp, report
 from . import compat, executor, memory
 
 
@@ -75,6 +75,7 @@ class CompiledGraph:
             path="native",
             num_inputs=len(example_inputs),
             held_inputs=_held_inputs(ctx) if ctx.kind != "backward" else (),
+            budget_choice=gm.meta.get(budget.CHOICE_META),
         )
         self._builds = builds.BuildsPerSetting(self._build)
         self._current: Optional[executor.Built] = None

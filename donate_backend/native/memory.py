@@ -344,3 +344,32 @@ def _passed_outputs(graph: torch.fx.Graph, kind: str, input_roles: Sequence[str]
     if not isinstance(outputs, (list, tuple)) or len(outputs) != len(input_roles):
         return []  # the outputs do not line up with the inputs: count all as gradients
     return [i for i, role in enumerate(input_roles) if role == "other"]
+
+
+def predict_step(
+    fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModule, forward_returns: Optional[int] = None
+) -> Tuple[int, Dict[str, int]]:
+    """A candidate partition's step peak (bytes) and its parts, before anything is compiled:
+    the forward's inputs are resident, its outputs held through the backward, every
+    saved tensor is the backward's to free at its last use and every tangent is made
+    for it (what a caller of ``loss.backward()`` gets). ``forward_returns``: how many of
+    the forward's outputs are the caller's (the rest are saved). Used to choose an
+    activation budget under a memory limit (``donate_backend.budget``)."""
+    resident: Dict[object, int] = {}
+    for node in fw_module.graph.find_nodes(op="placeholder"):
+        resident.update(_keys(node))
+    forward = replay(fw_module.graph, "forward", "forward", saved_outputs_from=forward_returns)
+    released = [n for n in bw_module.graph.find_nodes(op="placeholder") if _keys(n)]
+    categories = {n: GRADIENTS if n.name.startswith("tangents") else ACTIVATIONS for n in released}
+    backward = replay(bw_module.graph, "backward", "backward", released_inputs=released, input_categories=categories)
+    base = sum(resident.values())
+    parts: Dict[str, int] = {INPUTS: base}
+    if forward.peak_bytes >= forward.end_bytes + backward.tangent_bytes + backward.peak_bytes:
+        peak = base + forward.peak_bytes
+        for category, size in forward.peak_parts:
+            parts[category] = parts.get(category, 0) + size
+    else:
+        peak = base + forward.end_bytes + backward.tangent_bytes + backward.peak_bytes
+        for category, size in forward.end_parts + backward.peak_parts + ((GRADIENTS, backward.tangent_bytes),):
+            parts[category] = parts.get(category, 0) + size
+    return peak, parts
