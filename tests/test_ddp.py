@@ -236,6 +236,15 @@ def test_switch_off_from_the_start_keeps_ddp_path():
         assert all(n in (None, 0) for n in result["bucket_grads"])
 
 
+@pytest.mark.parametrize("compile_options", [{"activation_budget": 0.3}, {"memory_limit": "1GiB"}])
+def test_memory_levers_keep_bucket_writes_and_eager_ddp_values(compile_options):
+    """The activation budget (recomputation in the backward) and a memory limit, given as
+    options of the compiled DDP module: gradients still go straight into the buckets and
+    every rank equals eager DDP."""
+    results = run_job(dict(name="levers", program=train(3), options={"compile_options": compile_options}))
+    assert_equal_and_aliased(results, steady_writes=8, steady_out=4)
+
+
 def test_bucket_view_off_as_a_compile_option_keeps_ddp_path():
     """``options={"bucket_view": False}`` for the compiled DDP module only: its graphs and
     its forward pre-hook (which runs outside them) both keep DDP's normal path."""
