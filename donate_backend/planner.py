@@ -215,20 +215,26 @@ def memory_plan(
                   for r in native if r.kind == "forward"}
     for r in _step_order(native):
         m = r.memory
-        if m.kind == "backward" and r.outputs_held_bytes is not None:
-            # The outputs of its forward that the caller dropped before the backward ran
+        if m.kind == "backward" and r.outputs_held is not None:
+            # Forward outputs the caller had dropped when this backward first ran
             # (``loss = f(x).sum()`` keeps no output; an HF model's output object keeps all).
-            dropped = max(0, min(outputs_of.get(r.graph_id, 0), carried[native_memory.OUTPUTS]) - r.outputs_held_bytes)
-            carried[native_memory.OUTPUTS] -= dropped
-            level -= dropped
+            for graph_id, held in r.outputs_held.items():
+                dropped = max(0, min(outputs_of.get(graph_id, 0), carried[native_memory.OUTPUTS]) - held)
+                if dropped:
+                    outputs_of[graph_id] -= dropped
+                    carried[native_memory.OUTPUTS] -= dropped
+                    level -= dropped
         if m.kind == "backward":
             # Its tangents exist before it runs: taken from what a later backward passed
             # on, the rest made by the caller (the loss's ones, zeros for outputs that got
             # no gradient).
-            tangents = m.tangent_bytes if r.tangent_bytes is None else r.tangent_bytes
-            taken = min(passed, tangents)
-            passed -= taken
-            fresh = tangents - taken
+            if r.tangent_bytes is not None and r.tangents_passed_bytes is not None:
+                # seen on its first call: which tangents an earlier backward returned
+                fresh = max(0, r.tangent_bytes - r.tangents_passed_bytes)
+            else:  # not run yet: the gradients of non-parameter inputs an earlier one returned
+                taken = min(passed, m.tangent_bytes)
+                passed -= taken
+                fresh = m.tangent_bytes - taken
             carried[native_memory.GRADIENTS] += fresh
             level += fresh
         start = level

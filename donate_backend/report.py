@@ -73,10 +73,11 @@ class GraphRecord:
     held_inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
     first_call: Optional[int] = None
     tangent_bytes: Optional[int] = None  # native backward: bytes of the tangents its first call got
-    # native: the storages a forward's first call returned to the caller (weak references),
-    # and the bytes of them still alive when its backward first ran
+    # native: the storages a graph's first call returned (weak references), and for a
+    # backward the bytes of its forward's outputs still alive when it first ran
     output_storages: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
-    outputs_held_bytes: Optional[int] = None
+    outputs_held: Optional[dict] = None  # graph id -> bytes of that forward's outputs still alive
+    tangents_passed_bytes: Optional[int] = None  # native backward: of its tangents, an earlier backward's outputs
     budget_choice: Optional[str] = None  # native forward: the activation budget a memory_limit chose
     # XLA path: the lowered graph (``xla.lower.LoweredGraph``); ``lowered.traced`` is
     # the traced stage. Each prints itself with ``as_text()``.

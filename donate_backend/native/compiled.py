@@ -116,22 +116,29 @@ class CompiledGraph:
 
     def _first_call(self, args: list):
         """Run the graph for the first time, noting what the memory plan cannot know from
-        the graph alone: when it first ran among all graphs; for a forward, the storages
-        it returns to the caller; for a backward, the bytes of the tangents it was given
-        and how many of its forward's outputs the caller still holds."""
+        the graph alone: when it first ran among all graphs; the storages it returns (a
+        forward's to the caller, a backward's gradients); for a backward, the bytes of the
+        tangents it was given, how many of them an earlier backward returned (graph
+        breaks: a later graph's input gradients), and how many bytes of each forward's
+        outputs the caller still holds."""
         report.mark_first_call(self.record)
         predicted = self.record.memory
         if self.ctx.kind == "backward" and predicted is not None:
             self.record.tangent_bytes = memory.tangent_bytes_of(args, predicted.tangent_indices)
-            forward = next(
-                (r for r in report.reports() if r.graph_id == self.record.graph_id and r.kind == "forward"),
-                None,
+            earlier = [r for r in report.reports() if r.kind == "backward" and r.output_storages]
+            self.record.tangents_passed_bytes = memory.passed_tangent_bytes(
+                args, predicted.tangent_indices, [r.output_storages for r in earlier]
             )
-            if forward is not None and forward.output_storages is not None:
-                self.record.outputs_held_bytes = memory.held_bytes(forward.output_storages)
+            self.record.outputs_held = {
+                r.graph_id: memory.held_bytes(r.output_storages)
+                for r in report.reports()
+                if r.kind == "forward" and r.output_storages is not None
+            }
         result = self.built.run(args)
         if self.ctx.kind == "forward" and self._forward_returns is not None:
             self.record.output_storages = memory.storage_refs(result[: self._forward_returns])
+        elif self.ctx.kind == "backward":
+            self.record.output_storages = memory.storage_refs(result)
         return result
 
     def _build(self, settings: config.Settings) -> executor.Built:

@@ -332,6 +332,14 @@ def storage_refs(values: Sequence) -> tuple:
     return tuple(refs)
 
 
+def passed_tangent_bytes(args: Sequence, indices: Sequence[int], earlier: Sequence[tuple]) -> int:
+    """Bytes of the tangents in ``args`` whose storage is one an earlier backward returned
+    and that is still alive (``earlier``: ``storage_refs`` of each such backward)."""
+    alive = {ref: size for refs in earlier for ref, size in refs if not ref.expired()}
+    tangents = storage_refs([args[i] for i in indices if i < len(args)])
+    return sum(size for ref, size in tangents if ref in alive)
+
+
 def held_bytes(refs: tuple) -> int:
     """Bytes of the storages in ``refs`` (``storage_refs``) that are still alive."""
     return sum(size for ref, size in refs if not ref.expired())
