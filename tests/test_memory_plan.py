@@ -346,3 +346,15 @@ def test_memory_limit_from_the_environment_takes_sizes_with_units():
     assert config.settings_from_env({}).memory_limit is None
     with pytest.raises(ValueError, match="is not a size"):
         config.settings_from_env({"DONATE_XLA_MEMORY_LIMIT": "lots"})
+
+
+def test_size_hint_reads_a_symbolic_size_without_guarding_on_it(monkeypatch):
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch._dynamo.source import ConstantSource
+
+    env = ShapeEnv()
+    size = env.create_symintnode(env.create_symbol(7, ConstantSource("n")), hint=7)
+    assert compat.size_hint(size * 4) == 28 and compat.size_hint(5) == 5
+    assert len(env.guards) == 0  # int(size) would have specialised the graph to n == 7
+    monkeypatch.setattr(type(size.node), "hint", property(lambda self: None))
+    assert compat.size_hint(size) is None  # no hint (a data-dependent size): unknown

@@ -15,6 +15,10 @@ directly. Every guard has a test that removes the API by monkeypatching
   compiled go to the caller (``fw_metadata.num_forward_returns``); the rest
   are saved for the backward. ``None`` when unknown: the memory replay then
   counts every forward output as the caller's.
+- ``size_hint(value)``: the int a symbolic size had when traced, read from its
+  ``SymNode.hint`` without installing a guard (``int(symint)`` would
+  specialise the graph to that size and recompile for every other one); None
+  for a size with no hint (data-dependent).
 - ``allocation_peak_bytes(fn, device)``: the most bytes allocated above the
   starting level while ``fn`` runs. CUDA: the allocator's public statistics.
   CPU: the profiler's allocation events, read from its kineto results (no
@@ -283,3 +287,15 @@ def allocation_peak_bytes(fn: Callable[[], object], device) -> Optional[int]:
         level += nbytes
         peak = max(peak, level)
     return peak
+
+
+def size_hint(value) -> Optional[int]:
+    """A size as an int, without guarding on it (see above)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.SymInt):
+        hint = getattr(getattr(value, "node", None), "hint", None)
+        return int(hint) if isinstance(hint, int) else None
+    return None

@@ -92,13 +92,14 @@ def cuda_block_bytes(size: int) -> int:
 def nbytes(value: torch.Tensor) -> int:
     """Bytes of the storage behind ``value`` (symbolic sizes at their hint); on CUDA,
     the allocator's block."""
+    from . import compat
+
     try:
         size = value.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
         size = value.numel() * value.element_size()
-    try:
-        size = int(size)
-    except (TypeError, RuntimeError):  # an unbacked symbolic size
+    size = compat.size_hint(size)  # never int(): that would guard on a symbolic size
+    if size is None:  # a data-dependent size
         return 0
     return cuda_block_bytes(size) if value.device.type == "cuda" else size
 

@@ -61,19 +61,23 @@ def has_workspace(target) -> bool:
     return isinstance(target, torch._ops.OpOverload) and str(target).startswith(_OPS_WITH_WORKSPACE)
 
 
+def _hint(size) -> int:
+    value = compat.size_hint(size)  # never int(): that would guard on a symbolic size
+    if value is None:
+        raise ValueError("data-dependent size")
+    return value
+
+
 def _spec(value):
     if isinstance(value, torch.Tensor):
-        try:
-            return TensorSpec(
-                tuple(int(s) for s in value.shape), tuple(int(s) for s in value.stride()),
-                value.dtype, str(value.device),
-            )
-        except (TypeError, RuntimeError):  # unbacked symbolic sizes
-            raise ValueError("symbolic shape") from None
+        return TensorSpec(
+            tuple(_hint(s) for s in value.shape), tuple(_hint(s) for s in value.stride()),
+            value.dtype, str(value.device),
+        )
     if isinstance(value, (list, tuple)):
         return tuple(_spec(v) for v in value)
     if isinstance(value, torch.SymInt):
-        return int(value)
+        return _hint(value)
     return value
 
 
