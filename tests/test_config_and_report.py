@@ -127,10 +127,19 @@ def test_unknown_or_bad_compile_options_are_refused_and_modes_ignored_with_a_war
     assert DonateXlaError.__name__ in str(info.value)  # dynamo wraps it, keeping the message
     assert "activation_budget" in str(info.value) and "stitch" in str(info.value)
     assert 'docs/troubleshooting.md, "Settings and `torch.compile` arguments"' in str(info.value)
-    for bad, says in (({"free_saved": 1}, "expected bool"), ({"activation_budget": 1.5}, "must be in")):
+    for bad, says in (
+        ({"free_saved": 1}, "expected bool"),
+        ({"activation_budget": 1.5}, "must be in"),
+        ({"memory_limit": -5}, "memory_limit must be a number of bytes > 0"),
+        ({"memory_limit": "lots"}, "memory_limit='lots' is not a size"),
+    ):
         torch._dynamo.reset()
         with pytest.raises(Exception, match=says):
             torch.compile(f, backend="donate_xla", options=bad)(x)
+    from donate_backend.backend import compile_options
+
+    with pytest.raises(DonateXlaError, match=r"unknown torch.compile argument\(s\) fullgraph_extra"):
+        compile_options(0, fullgraph_extra=True)  # an argument a future torch might pass on
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

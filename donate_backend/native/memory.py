@@ -307,17 +307,7 @@ def for_build(gm: torch.fx.GraphModule, name: str, kind: str, *, free_saved_on: 
 def tangent_bytes_of(args: Sequence, indices: Sequence[int]) -> int:
     """Bytes of the distinct storages behind the tangents a backward was called with
     (an expanded scalar, as ``sum().backward()`` passes, is a few bytes)."""
-    seen, total = set(), 0
-    for i in indices:
-        value = args[i] if i < len(args) else None
-        if isinstance(value, torch.Tensor) and value.layout == torch.strided:
-            storage = value.untyped_storage()
-            key = (str(value.device), storage.data_ptr())
-            if key not in seen:
-                seen.add(key)
-                size = storage.nbytes()
-                total += cuda_block_bytes(size) if value.device.type == "cuda" else size
-    return total
+    return sum(size for _, size in storage_refs([args[i] for i in indices if i < len(args)]))
 
 
 def storage_refs(values: Sequence) -> tuple:
@@ -336,7 +326,7 @@ def storage_refs(values: Sequence) -> tuple:
 def passed_tangent_bytes(args: Sequence, indices: Sequence[int], earlier: Sequence[tuple]) -> int:
     """Bytes of the tangents in ``args`` whose storage is one an earlier backward returned
     and that is still alive (``earlier``: ``storage_refs`` of each such backward)."""
-    alive = {ref: size for refs in earlier for ref, size in refs if not ref.expired()}
+    alive = {ref for refs in earlier for ref, _ in refs if not ref.expired()}
     tangents = storage_refs([args[i] for i in indices if i < len(args)])
     return sum(size for ref, size in tangents if ref in alive)
 
