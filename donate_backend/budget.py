@@ -7,10 +7,10 @@ memory-budget partitioner (``torch._functorch.config.activation_memory_budget``)
 picks what to recompute, and random ops are never among it
 (``keep_random_values_saved``).
 
-Under a ``memory_limit`` (native path: ``partition(..., fit=True)``) it tries
-the budget in force, then smaller shares (``SHARES``), predicting each
-candidate's step peak from a replay of its forward and backward
-(``native.memory``), and keeps the first that fits: the least recomputation
+Under a ``memory_limit`` (``partition(..., fit=True)``) it tries the budget in
+force, then smaller shares (``SHARES``), predicting each candidate's step peak
+from its forward and backward (``native.memory`` replays them; the XLA path
+passes ``xla.memory.predict_step``), and keeps the first that fits: the least recomputation
 that fits. When none does it raises ``MemoryLimitError`` before anything runs,
 with the least bytes any candidate needs.
 """
@@ -38,9 +38,11 @@ class MemoryLimitError(DonateXlaError):
     help_section = "Memory plan"
 
 
-def partition(min_cut, *args, fit: bool = False, **kwargs):
+def partition(min_cut, *args, fit: bool = False, predict_step=None, **kwargs):
     """Min-cut under the activation budget in force (``DONATE_XLA_ACTIVATION_BUDGET``),
     or, with ``fit`` and a ``memory_limit``, under the first budget that fits it.
+    ``predict_step(fw_module, bw_module, num_forward_outputs) -> (peak, parts)``
+    predicts a candidate's step (default: the native replay, ``native.memory``).
 
     Below 1.0, aot_autograd's memory-budget partitioning saves only that share
     of the activations (by its own estimate) and recomputes the rest in the
@@ -48,20 +50,20 @@ def partition(min_cut, *args, fit: bool = False, **kwargs):
     """
     settings = config.current()
     if fit and settings.memory_limit is not None:
-        return _fit(min_cut, settings, *args, **kwargs)
+        if predict_step is None:
+            from .native.memory import predict_step
+        return _fit(min_cut, settings, predict_step, *args, **kwargs)
     return _partition_at(settings.activation_budget, min_cut, *args, **kwargs)
 
 
-def _fit(min_cut, settings, joint, *args, **kwargs):
-    from .native import memory
-
+def _fit(min_cut, settings, predict_step, joint, *args, **kwargs):
     limit = settings.memory_limit
     tried = []
     shares = [s for s in SHARES if s <= settings.activation_budget] or [settings.activation_budget]
     for share in shares:
         candidate = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))  # meta values shared
         fw_module, bw_module = _partition_at(share, min_cut, candidate, *args, **kwargs)
-        peak, parts = memory.predict_step(fw_module, bw_module, kwargs.get("num_fwd_outputs"))
+        peak, parts = predict_step(fw_module, bw_module, kwargs.get("num_fwd_outputs"))
         tried.append((share, peak, parts))
         if peak <= limit:
             fw_module.meta[CHOICE_META] = (

@@ -138,6 +138,17 @@ def _step_order(records: Sequence[report.GraphRecord]) -> List[report.GraphRecor
     return ran + waiting
 
 
+def _last_step(records: List[report.GraphRecord]) -> List[report.GraphRecord]:
+    """The graphs of the last step: a graph that last ran before the step's first
+    forward belongs to an earlier step only (an optimizer's first step, which makes
+    its state, compiles a graph of its own that later steps never run again)."""
+    forwards = [r.last_call for r in records if r.kind == "forward" and r.last_call is not None]
+    if not forwards:
+        return records
+    start = min(forwards)
+    return [r for r in records if r.last_call is None or r.last_call >= start]
+
+
 def _optimizer_state_bytes(optimizer, seen: set) -> int:
     import torch
 
@@ -183,16 +194,26 @@ def memory_plan(
     device); False counts none.
     """
     records = list(report.reports() if records is None else records)
-    native = [r for r in records if r.path == "native" and r.memory is not None]
+    native = [r for r in records if r.memory is not None]
     if not native:
-        paths = sorted({r.path for r in records})
         raise DonateXlaError(
-            "donate_xla: memory_plan() found no compiled native graph to plan"
-            + (f" (graphs on the {', '.join(paths)} path only; the XLA path has no plan yet)" if paths else "")
+            "donate_xla: memory_plan() found no compiled graph to plan"
+            + (f" ({len(records)} graph(s) compiled, none with a prediction: DONATE_XLA_DEBUG=1 "
+               "logs why)" if records else "")
             + ". Compile and run the step once (the graphs are compiled on their first call), "
             "then call memory_plan().",
             help_section="Memory plan",
         )
+    paths = sorted({r.path for r in native})
+    if len(paths) > 1:
+        raise DonateXlaError(
+            "donate_xla: memory_plan() found graphs of both paths (XLA and native devices): "
+            "a step runs on one device. Pass records=[r for r in donate_backend.reports() "
+            "if r.path == 'xla'] (or 'native'), or clear_reports() before compiling the step.",
+            help_section="Memory plan",
+        )
+    path = paths[0]
+    native = _last_step(native)
     seen: set = set()
     resident: Dict[str, int] = {c: 0 for c in CATEGORIES}
     for r in native:
@@ -254,13 +275,28 @@ def memory_plan(
         level = start + m.end_bytes
         passed += m.passed_grad_bytes
         planned.append(PlannedGraph(r.name, start, graph_peak, level, tuple(at_peak.items())))
-    unplanned = [r.name for r in records if r.path == "native" and r.memory is None]
+    unplanned = [r.name for r in records if r.path == path and r.memory is None and r.device != "cpu"]
+    notes = [f"{name}: no prediction (its replay failed; DONATE_XLA_DEBUG=1 logs why), not counted"
+             for name in unplanned]
+    if path == "xla":
+        notes.append(
+            "XLA: each executable's temporaries come from a model of XLA's fusion over the graph, "
+            "not from XLA's buffer assignment; XLA's scheduler may hold more at once"
+        )
+        if any(r.stitched for r in native):
+            notes.append(
+                "stitched step (DONATE_XLA_STITCH): its graphs run as one XLA computation, which frees "
+                "each gradient as the optimizer consumes it; the plan counts them as separate "
+                "executables, so it is an upper bound"
+            )
+        if any(r.backward_segments for r in records):
+            notes.append("backward segments: each segment counted as a backward of its own (approximate)")
     return MemoryPlan(
         peak_bytes=peak,
         resident_bytes=resident_bytes,
         breakdown={c: b for c, b in breakdown.items()},
         graphs=tuple(planned),
         choices=_choices(native),
-        notes=tuple(f"{name}: no prediction (its replay failed; DONATE_XLA_DEBUG=1 logs why), not counted"
-                    for name in unplanned),
+        path=path,
+        notes=tuple(notes),
     )

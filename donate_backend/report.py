@@ -72,6 +72,7 @@ class GraphRecord:
     memory: Any = dataclasses.field(default=None, repr=False, compare=False)
     held_inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
     first_call: Optional[int] = None
+    last_call: Optional[int] = None  # when it last ran: graphs of a first step only (state made) drop out of the plan
     tangent_bytes: Optional[int] = None  # native backward: bytes of the tangents its first call got
     # native: the storages a graph's first call returned (weak references), and for a
     # backward the bytes of its forward's outputs still alive when it first ran
@@ -100,7 +101,12 @@ _calls = itertools.count()
 def mark_first_call(record: GraphRecord) -> None:
     """Note when ``record``'s graph first ran, among all graphs (the memory plan's order)."""
     if record.first_call is None:
-        record.first_call = next(_calls)
+        record.first_call = record.last_call = next(_calls)
+
+
+def mark_call(record: GraphRecord) -> None:
+    """Note that ``record``'s graph runs now (the plan's step is the graphs of the last one)."""
+    record.last_call = next(_calls)
 
 
 def add(record: GraphRecord) -> GraphRecord:

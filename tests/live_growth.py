@@ -37,6 +37,7 @@ _SCRIPT = textwrap.dedent(
 
     for _ in range(3):
         step(x); torch_xla.sync(); xm.wait_device_ops()
+    plan = donate_backend.memory_plan()
     samples, stop = [], threading.Event()
     def sample():
         while not stop.is_set():
@@ -46,7 +47,10 @@ _SCRIPT = textwrap.dedent(
         step(x); torch_xla.sync(); xm.wait_device_ops()
     stop.set(); thread.join()
     split = [r.backward_segments for r in donate_backend.reports() if r.backward_segments]
-    print(json.dumps({{"growth": max(samples) - min(samples), "segments": split}}))
+    print(json.dumps({{"growth": max(samples) - min(samples), "segments": split,
+                      "predicted": plan.growth_bytes, "resident": plan.resident_bytes,
+                      "state": sum(t.numel() * t.element_size() for t in [*model.parameters(), x]
+                                   + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()])}}))
     """
 )
 
@@ -54,8 +58,10 @@ _SCRIPT = textwrap.dedent(
 def live_growth(env: dict, *, depth: int, width: int, batch: int, activation: str = "ReLU",
                 bias: bool = True, momentum: float = 0.0) -> dict:
     """``depth`` x (Linear(width) + activation), SGD, a squared-mean loss, the whole step
-    compiled; 4 steps after 3 warm-up ones. Returns ``growth`` (peak - trough RSS, bytes)
-    and ``segments`` (the backward segment counts the records report), run under ``env``
+    compiled; 4 steps after 3 warm-up ones. Returns ``growth`` (peak - trough RSS, bytes),
+    ``segments`` (the backward segment counts the records report), ``predicted`` and
+    ``resident`` (the memory plan's growth and resident bytes, taken before the measured
+    steps) and ``state`` (the bytes of parameters, optimizer state and batch), run under ``env``
     (the switches) on top of this process's environment."""
     script = _SCRIPT.format(depth=depth, width=width, batch=batch, activation=activation, bias=bias, momentum=momentum)
     full_env = dict(os.environ, PJRT_DEVICE="CPU", MALLOC_MMAP_THRESHOLD_="65536", **env)

@@ -345,14 +345,3 @@ def test_an_op_goes_to_the_cpu_only_for_the_arguments_its_kernel_hands_over(monk
 
     monkeypatch.setitem(trace._FALLS_BACK_WITH, torch.ops.aten.roll.default, surprised)
     assert not trace.lowerable_node(_roll_node((3, 4)))
-
-
-def test_memory_limit_is_refused_on_the_xla_path_until_it_has_a_plan(xla_device):
-    """The XLA path cannot fit a step under a limit yet: a limit is refused, never ignored."""
-    from donate_backend.errors import UnsupportedGraphError
-
-    w = torch.ones(4, device=xla_device)
-    run = torch.compile(lambda x: (x * w).sum(), backend="donate_xla", options={"memory_limit": "1GiB"})
-    with pytest.raises(Exception, match="memory_limit .* is not supported on the XLA path yet") as info:
-        run(torch.ones(4, device=xla_device))
-    assert UnsupportedGraphError.__name__ in str(info.value)

@@ -112,6 +112,7 @@ class CompiledGraph:
     def __call__(self, args: list):
         if self.record.first_call is None:
             return self._first_call(args)
+        report.mark_call(self.record)
         return self.built.run(args)
 
     def _first_call(self, args: list):

@@ -36,7 +36,13 @@ def aot_options() -> dict:
             "transposed weights for backward (more memory, same results)"
         )
         return {}
-    return {"partition_fn": functools.partial(budget.partition, min_cut_rematerialization_partition)}
+    from .memory import predict_step
+
+    return {
+        "partition_fn": functools.partial(
+            budget.partition, min_cut_rematerialization_partition, fit=True, predict_step=predict_step
+        )
+    }
 
 
 def check_dynamo_graph(gm, example_inputs, graph_id: int) -> None:
@@ -52,15 +58,6 @@ def check_dynamo_graph(gm, example_inputs, graph_id: int) -> None:
     taken before a donating call lost its value, and reads failed with "Check
     failed: handle->HasValue()" (openxla computes wrong values there): refused.
     """
-    limit = config.current().memory_limit
-    if limit is not None:
-        raise UnsupportedGraphError(
-            f"graph {graph_id}: memory_limit ({limit} bytes) is not supported on the XLA path yet: "
-            "it has no memory plan to fit the step under it, and ignoring the limit would leave "
-            "you believing it holds. Unset DONATE_XLA_MEMORY_LIMIT / the memory_limit option for "
-            "XLA models; the levers are there by hand (DONATE_XLA_BACKWARD_SEGMENTS, "
-            "DONATE_XLA_ACTIVATION_BUDGET, DONATE_XLA_STITCH: docs/donation.md)."
-        )
     switch = compat.functionalization_disabled()
     if switch is not None:
         raise UnsupportedGraphError(

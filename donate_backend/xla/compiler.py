@@ -9,6 +9,7 @@ other setting. Under ``DONATE_XLA_BACKWARD_SEGMENTS`` a backward's build is a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from typing import Optional, Sequence
@@ -16,10 +17,11 @@ from typing import Optional, Sequence
 import torch
 import torch_xla
 
-from .. import config, report
+from .. import budget, config, report
 from ..analysis import aliasing, mutation
 from ..builds import BuildsPerSetting
 from . import compat, fallback, host, metrics, segments
+from . import memory as xla_memory
 from . import spmd
 from .lower import LoweredGraph, input_shardings, lower, sharding_signature
 from .runtime import PerSignatureExecutable, StitchedExecutable, XlaExecutable
@@ -291,7 +293,7 @@ def compile_graph(gm, example_inputs, ctx):
             lowered = relower(True, real_inputs)
         seconds = time.perf_counter() - start
         transfers = metrics.transfer_snapshot().minus(before)
-        report.add(
+        record = report.add(
             report.GraphRecord(
                 graph_id=ctx.graph_id,
                 kind=ctx.kind,
@@ -315,18 +317,26 @@ def compile_graph(gm, example_inputs, ctx):
                 host_input_bytes=host_input_bytes(examples),
                 input_shapes=tuple(tuple(t.shape) for t in examples if isinstance(t, torch.Tensor)) if symbolic else None,
                 lowered=lowered,
+                budget_choice=gm.meta.get(budget.CHOICE_META),
+                memory=xla_memory.predict_or_none(
+                    gm, ctx.name, ctx.kind, donors=lowered.donors if not stitch else (choice.donors if donation else ()),
+                    forward_returns=_num_user_outputs(ctx),
+                ),
             )
+        )
+        on_call = functools.partial(
+            xla_memory.note_call, record, [_role(roles, len(examples), i, ctx.kind) for i in range(len(examples))]
         )
         if stitch:
             return StitchedExecutable(
                 ctx.name, lowered, host_values=on_host,
-                donors=choice.donors if donation else (), version_bumped=bumped,
+                donors=choice.donors if donation else (), version_bumped=bumped, on_call=on_call,
             )
         return XlaExecutable(
             ctx.name, lowered, relower, host_values=on_host, version_bumped=bumped,
             record_outputs=ctx.kind == "inference", requested=frozenset(requested),
             requestable=choice.requestable if donation and real_inputs is None else (),
-            sharded=compat.is_spmd(),
+            sharded=compat.is_spmd(), on_call=on_call,
         )
 
     def leaf_shardings() -> tuple:  # a backward's gradients take their leaves' shardings

@@ -357,8 +357,10 @@ class XlaExecutable:
         requested: frozenset = frozenset(),
         requestable: tuple = (),
         sharded: bool = False,
+        on_call: Optional[Callable[[list], None]] = None,
     ):
         self.graph_name = graph_name
+        self._on_call = on_call  # notes for the memory plan (xla.memory.note_call)
         self.lowered = lowered
         self._relower = relower
         self._without_donation: Optional[LoweredGraph] = None
@@ -386,6 +388,8 @@ class XlaExecutable:
 
     def __call__(self, args: list):
         args = list(args)
+        if self._on_call is not None:
+            self._on_call(args)
         return self.run(args, self._device_args(args))
 
     def run(self, args: list, device_args: list):
@@ -791,10 +795,12 @@ class StitchedExecutable:
         host_values=None,
         donors: Sequence[int] = (),
         version_bumped: Optional[frozenset] = None,
+        on_call: Optional[Callable[[list], None]] = None,
     ):
         self.graph_name = graph_name
         self.lowered = lowered
         self.last_call = lowered
+        self._on_call = on_call  # notes for the memory plan (xla.memory.note_call)
         self._host_values = host_values
         self._opname = f"donate_xla::{graph_name.replace(' ', '_')}"
         self.device = torch_xla.device()
@@ -814,6 +820,8 @@ class StitchedExecutable:
         self.calls_without_donation = 0  # calls with donors that flagged none
 
     def __call__(self, args: list):
+        if self._on_call is not None:
+            self._on_call(args)
         return self.run(list(args), None)
 
     def run(self, args: list, device_args: Optional[list]):

@@ -1,0 +1,174 @@
+"""XLA path: the memory plan's predicted step against live bytes measured on XLA:CPU.
+
+Each model and setting runs in a fresh process with ``MALLOC_MMAP_THRESHOLD_=65536``
+(RSS follows the live bytes, docs/benchmarks.md): the whole training step is
+compiled with donate_xla, runs 3 times (compiles, creates optimizer state), then
+``donate_backend.memory_plan()`` predicts one step and the process samples its RSS
+every 2 ms over 4 more steps. Compared:
+
+- growth: the plan's ``growth_bytes`` against the measured peak - trough (the
+  trough is when only parameters, optimizer state and the batch are live);
+- peak: the plan's ``peak_bytes`` against the state's exact bytes plus the
+  measured growth (what the plan's accuracy target is stated on).
+
+Models: the two of bench/xla_common.py (a 50M-parameter MLP with SGD momentum, a
+6-layer GPT with AdamW) and two more: 8 x (Linear 2048 + GELU) batch 256 with SGD
+momentum, a 4-layer pre-LN transformer d=512 with AdamW. Settings: default,
+DONATE_XLA_STITCH=1, DONATE_XLA_BACKWARD_SEGMENTS=8.
+
+Usage: python bench/xla_plan_accuracy.py [--models a,b] [--settings default,stitch]
+       [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+MIB = 2**20
+SETTINGS = {
+    "default": {},
+    "stitch": {"DONATE_XLA_STITCH": "1"},
+    "segments": {"DONATE_XLA_BACKWARD_SEGMENTS": "8"},
+}
+MODELS = ("mlp50m_sgd", "gpt6x512_adamw", "mlp8x2048_gelu", "preln4x512_adamw")
+
+
+def _extra_models():
+    import torch
+    import torch.nn.functional as F
+
+    def mlp():
+        layers = []
+        for _ in range(8):
+            layers += [torch.nn.Linear(2048, 2048), torch.nn.GELU()]
+        return torch.nn.Sequential(*layers)
+
+    class PreLN(torch.nn.Module):
+        def __init__(self, width=512, depth=4, heads=8, vocab=4096):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, width)
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+                for _ in range(depth)
+            )
+            self.head = torch.nn.Linear(width, vocab)
+
+        def forward(self, idx):
+            x = self.embed(idx)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    return {
+        "mlp8x2048_gelu": dict(
+            make=mlp,
+            opt=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
+            batch=lambda: (torch.randn(256, 2048), torch.randn(256, 2048)),
+            loss=lambda out, y: F.mse_loss(out, y),
+        ),
+        "preln4x512_adamw": dict(
+            make=PreLN,
+            opt=lambda p: torch.optim.AdamW(p, lr=1e-4),
+            batch=lambda: (torch.randint(0, 4096, (8, 128)), torch.randint(0, 4096, (8, 128))),
+            loss=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+        ),
+    }
+
+
+def worker(model_name: str) -> dict:
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import donate_backend
+    import xla_common
+    from measure import current_rss
+
+    xla_common.MODELS.update(_extra_models())
+    device = torch_xla.device()
+    model, opt, step, (x, y) = xla_common.build(model_name, device)
+    compiled = torch.compile(step, backend="donate_xla")
+    for _ in range(3):
+        compiled(x, y)
+        torch_xla.sync()
+        xm.wait_device_ops()
+    plan = donate_backend.memory_plan()
+    state = sum(t.numel() * t.element_size() for t in xla_common.state_tensors(model, opt))
+    state += sum(t.numel() * t.element_size() for t in (x, y))
+    samples, stop = [], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            samples.append(current_rss())
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    for _ in range(4):
+        compiled(x, y)
+        torch_xla.sync()
+        xm.wait_device_ops()
+    stop.set()
+    thread.join()
+    return dict(
+        predicted_growth=plan.growth_bytes, predicted_peak=plan.peak_bytes, predicted_resident=plan.resident_bytes,
+        measured_growth=max(samples) - min(samples), state=state, plan=plan.as_text(),
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--worker", default=None, help="internal: one run")
+    parser.add_argument("--verbose", action="store_true", help="print each plan")
+    parser.add_argument("--json", default=None)
+    options = parser.parse_args()
+    if options.worker:
+        print(json.dumps(worker(options.worker)))
+        return 0
+    import xla_common
+
+    rows = []
+    print("xla_plan_accuracy: XLA:CPU, live bytes (MALLOC_MMAP_THRESHOLD_=65536), one fresh process per row")
+    for model_name in options.models.split(","):
+        for setting in options.settings.split(","):
+            env = dict(SETTINGS[setting], MALLOC_MMAP_THRESHOLD_="65536")
+            try:
+                r = xla_common.run_worker(__file__, "--worker", model_name, env=env)
+            except Exception as error:  # a failing row is reported, the rest still run
+                print(f"  {model_name:<17} {setting:<8} failed: {str(error)[-400:]}")
+                continue
+            growth_error = r["predicted_growth"] / r["measured_growth"] - 1
+            measured_peak = r["state"] + r["measured_growth"]
+            peak_error = r["predicted_peak"] / measured_peak - 1
+            print(
+                f"  {model_name:<17} {setting:<8} growth: predicted {r['predicted_growth'] / MIB:7.1f} MiB, measured "
+                f"{r['measured_growth'] / MIB:7.1f} ({growth_error:+.1%}); peak: predicted "
+                f"{r['predicted_peak'] / MIB:7.1f}, state + measured growth {measured_peak / MIB:7.1f} "
+                f"({peak_error:+.1%}); resident predicted {r['predicted_resident'] / MIB:.1f}, state {r['state'] / MIB:.1f}",
+                flush=True,
+            )
+            if options.verbose:
+                print("    " + r["plan"].replace("\n", "\n    "))
+            rows.append(dict(model=model_name, setting=setting, growth_error=growth_error, peak_error=peak_error,
+                             **{k: v for k, v in r.items() if k != "plan"}))
+    if rows:
+        worst = max(rows, key=lambda r: abs(r["peak_error"]))
+        print(f"largest peak error: {worst['model']} [{worst['setting']}] {worst['peak_error']:+.1%}; largest growth "
+              f"error: {max(abs(r['growth_error']) for r in rows):.1%}")
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Predicted memory of one XLA executable, from its FX graph on fake tensors.
+
+XLA runs a graph as one executable. What it holds while it runs, on top of
+the inputs its caller holds (XLA's buffer assignment, CPU and TPU alike):
+
+- **outputs**: a buffer per result, except a result written back into a
+  donated input, which takes that input's buffer (``donors``);
+- **temporaries**: one block for the values that live only inside the
+  executable, as large as the most of them live at once.
+
+XLA fuses elementwise ops and views into the ops that read them, so their
+results never exist on their own. The model here: a node's result is
+materialised when it is not elementwise or a view, when the graph returns
+it, or when a dot or convolution reads it (XLA does not fuse into those).
+A materialised value lives until the last materialised node that reads it,
+directly or through fused ones. The temporaries block is the most bytes of
+such values live at any node, in graph order.
+
+After the executable: its outputs are live (a forward's to the caller and
+saved for its backward, a backward's gradients); a backward's saved
+tensors and tangents are let go (autograd drops them when the backward
+returns); an overwritten input keeps its size (its new value replaces it).
+
+What the model cannot see: XLA's scheduler may order the work differently
+(its default CPU scheduler favours concurrency over memory, so the
+temporaries block can be larger), and fusion decisions beyond the rule
+above. ``bench/plan_accuracy.py --path xla`` gives the error against
+measured live bytes.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Dict, List, Optional, Sequence, Set
+
+import torch
+import torch.fx
+
+from ..native import memory as native_memory
+from ..native.memory import ACTIVATIONS, GRADIENTS, OUTPUTS, TEMPORARIES, GraphMemory
+
+# Ops XLA does not fuse their operands into: their operands are materialised.
+_FUSION_BARRIERS = frozenset({
+    "mm", "bmm", "addmm", "baddbmm", "matmul", "dot", "convolution", "convolution_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "sort", "topk", "scatter", "scatter_add", "scatter_reduce", "index_put", "_index_put_impl_",
+    "embedding_dense_backward", "cumsum", "_cdist_forward",
+})
+
+
+def xla_bytes(value: torch.Tensor) -> int:
+    """Bytes of an XLA buffer holding ``value`` (dense, no strides; symbolic sizes at
+    their hint)."""
+    from ..native import compat
+
+    size = compat.size_hint(value.numel() * value.element_size())
+    return int(size) if size is not None else 0
+
+
+def _values(node: torch.fx.Node) -> List[torch.Tensor]:
+    return native_memory._tensors(node)
+
+
+def _bytes(node: torch.fx.Node) -> int:
+    return sum(xla_bytes(v) for v in _values(node))
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", getattr(target, "__name__", str(target)))
+
+
+def _fusible(node: torch.fx.Node) -> bool:
+    """Elementwise or a view: XLA computes it inside the op that reads it."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    if _op_name(node).startswith("_foreach_"):  # elementwise over a list
+        return True
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.pointwise in tags:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.returns:
+        alias = schema.returns[0].alias_info
+        if alias is not None and not alias.is_write:
+            return True
+    return _op_name(node) in {"clone", "_to_copy", "expand", "view", "reshape", "t", "permute",
+                              "transpose", "unsqueeze", "squeeze", "slice", "select", "alias",
+                              "_unsafe_view", "lift_fresh_copy", "where", "full", "zeros", "ones",
+                              "scalar_tensor", "empty", "arange", "iota"}
+
+
+def _writebacks(graph: torch.fx.Graph) -> Dict[torch.fx.Node, torch.fx.Node]:
+    """new value -> the placeholder it is copied into (``aten.copy_`` at the end of a
+    functionalised graph)."""
+    out = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and _op_name(node) == "copy_":
+            target, source = node.args[0], node.args[1]
+            if isinstance(target, torch.fx.Node) and target.op == "placeholder" and isinstance(source, torch.fx.Node):
+                out[source] = target
+    return out
+
+
+def predict(
+    graph: torch.fx.Graph,
+    name: str,
+    kind: str,
+    *,
+    donors: Sequence[int] = (),
+    forward_returns: Optional[int] = None,
+) -> GraphMemory:
+    """The executable's memory (see the module docstring), as a ``GraphMemory`` the
+    planner composes like a native graph's. ``donors``: indices of the inputs donated;
+    ``forward_returns``: in a forward, how many outputs are the caller's (the rest are
+    saved for the backward)."""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    donated = {placeholders[i] for i in donors if i < len(placeholders)}
+    written = _writebacks(graph)
+    output = graph.output_node()
+    out_args = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+
+    # Outputs: a buffer each, unless it is an input, a view of one (returned as is), or a
+    # new value written into a donated input.
+    def category(index: int) -> str:
+        if kind == "backward":
+            return GRADIENTS
+        if kind == "forward" and forward_returns is not None and index >= forward_returns:
+            return ACTIVATIONS
+        return OUTPUTS
+
+    out_parts: Dict[str, int] = {}
+    returned: Set[torch.fx.Node] = set()
+    for index, value in enumerate(out_args):
+        if not isinstance(value, torch.fx.Node) or value in returned:
+            continue
+        returned.add(value)
+        if value.op == "placeholder" or _root_input(value) is not None:
+            continue
+        size = _bytes(value)
+        out_parts[category(index)] = out_parts.get(category(index), 0) + size
+    writeback_bytes = 0
+    for value, target in written.items():
+        if target not in donated and value.op != "placeholder":
+            writeback_bytes += _bytes(value)  # a new buffer; the old one goes when it is installed
+
+    # Temporaries: materialised values that are not outputs, live to their last
+    # materialised reader.
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    materialised: Set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        barrier_user = any(_op_name(u) in _FUSION_BARRIERS for u in node.users)
+        if not _fusible(node) or (barrier_user and not _is_view(node)):
+            materialised.add(node)
+    # A returned view's base is the output buffer, not a temporary.
+    for value in list(returned):
+        base = _view_base(value)
+        if base is not value:
+            returned.add(base)
+    readers: Dict[torch.fx.Node, int] = {}  # node -> index of its last materialised reader
+
+    def last_reader(node: torch.fx.Node) -> int:
+        if node in readers:
+            return readers[node]
+        last = order[node]
+        for user in node.users:
+            if user.op == "output" or user in materialised:
+                last = max(last, order[user])
+            else:
+                last = max(last, last_reader(user))
+        readers[node] = last
+        return last
+
+    for node in reversed(list(graph.nodes)):  # users first: no deep recursion
+        if node.op != "output":
+            last_reader(node)
+    frees: Dict[int, List[int]] = {}
+    level = peak = 0
+    peak_node = "(inputs)"
+    for node in graph.nodes:
+        if node in materialised and node not in returned and node not in written:
+            size = _bytes(node)
+            level += size
+            frees.setdefault(readers[node], []).append(size)
+            if level > peak:
+                peak, peak_node = level, node.name
+        for size in frees.pop(order[node], ()):
+            level -= size
+    temporaries = peak
+
+    outputs_total = sum(out_parts.values())
+    peak_parts = dict(out_parts)
+    if temporaries or writeback_bytes:
+        peak_parts[TEMPORARIES] = temporaries + writeback_bytes
+    end_parts = dict(out_parts)
+    tangent_bytes = 0
+    released = 0
+    if kind == "backward":
+        for node in placeholders:
+            size = _bytes(node)
+            if node.name.startswith("tangents"):
+                tangent_bytes += size
+                end_parts[GRADIENTS] = end_parts.get(GRADIENTS, 0) - size
+            elif node.name.startswith("primals"):
+                continue  # a forward input the caller holds (a parameter, the batch)
+            else:
+                end_parts[ACTIVATIONS] = end_parts.get(ACTIVATIONS, 0) - size
+            released += size
+    return GraphMemory(
+        name=name,
+        kind=kind,
+        peak_bytes=outputs_total + temporaries + writeback_bytes,
+        end_bytes=sum(end_parts.values()),
+        peak_parts=tuple(sorted((c, b) for c, b in peak_parts.items() if b)),
+        end_parts=tuple(sorted((c, b) for c, b in end_parts.items() if b)),
+        peak_node=peak_node,
+        released_input_bytes=released,
+        tangent_bytes=tangent_bytes,
+        tangent_indices=tuple(i for i, n in enumerate(placeholders) if n.name.startswith("tangents")),
+    )
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+    return alias is not None and not alias.is_write
+
+
+def _view_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node ``node`` is a view of (itself if it is none)."""
+    for _ in range(64):
+        if not _is_view(node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return node
+        node = node.args[0]
+    return node
+
+
+def _root_input(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The placeholder ``node`` is a view of, if it is one."""
+    seen = 0
+    while node.op == "call_function" and seen < 64:
+        schema = getattr(node.target, "_schema", None)
+        alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+        if alias is None or alias.is_write or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        node, seen = node.args[0], seen + 1
+    return node if node.op == "placeholder" else None
+
+
+def predict_or_none(gm: torch.fx.GraphModule, name: str, kind: str, **kwargs) -> Optional[GraphMemory]:
+    """``predict``, or None where it fails: a prediction never stops a graph from compiling."""
+    try:
+        return predict(gm.graph, name, kind, **kwargs)
+    except Exception as error:  # noqa: BLE001  (reported, never raised)
+        from .. import report
+
+        report.log.debug("donate_xla: no memory prediction for %s: %s", name, error)
+        return None
+
+
+def note_call(record, roles: Sequence[str], args: Sequence) -> None:
+    """On each call, when the graph ran (``report.mark_call``). On its first call: when it
+    ran among all graphs (the plan's step order) and,
+    for a forward or an optimizer step, the tensors it reads that its caller holds
+    between steps (``(role, identity, bytes)``; one tensor read by two graphs is
+    counted once). XLA tensors have no storage address: the identity is the tensor
+    object's, which the parameters and optimizer state keep across graphs."""
+    from .. import report
+
+    if record.first_call is not None:
+        report.mark_call(record)
+        return
+    report.mark_first_call(record)
+    if record.kind == "backward":
+        return
+    held = []
+    for role, value in zip(roles, args):
+        if isinstance(value, torch.Tensor):
+            held.append((role, ("xla", id(value)), xla_bytes(value)))
+    record.held_inputs = tuple(held)
+
+
+def predict_step(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModule,
+                 forward_returns: Optional[int] = None):
+    """A candidate partition's step peak (bytes) and its parts, before anything is
+    lowered (``budget``, under a memory limit): the forward's inputs are resident, its
+    saved activations held until the backward, which returns the gradients."""
+    resident = sum(_bytes(n) for n in fw_module.graph.find_nodes(op="placeholder"))
+    forward = predict(fw_module.graph, "forward", "forward", forward_returns=forward_returns)
+    backward = predict(bw_module.graph, "backward", "backward")
+    parts: Dict[str, int] = {native_memory.INPUTS: resident}
+    in_backward = forward.end_bytes + backward.tangent_bytes + backward.peak_bytes
+    if forward.peak_bytes >= in_backward:
+        for category, size in forward.peak_parts:
+            parts[category] = parts.get(category, 0) + size
+        return resident + forward.peak_bytes, parts
+    for category, size in forward.end_parts + backward.peak_parts + ((GRADIENTS, backward.tangent_bytes),):
+        parts[category] = parts.get(category, 0) + size
+    return resident + in_backward, parts

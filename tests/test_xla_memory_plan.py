@@ -1,0 +1,131 @@
+"""The memory plan on the XLA path: what it counts, a limit met by recomputing, a limit
+refused before anything runs. The prediction against measured live bytes is in
+tests/test_xla_memory.py (a fresh process) and bench/xla_plan_accuracy.py."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import XLA_SKIP_REASON
+
+pytest.importorskip("torch_xla", reason=XLA_SKIP_REASON)
+
+import torch_xla  # noqa: E402
+import torch_xla.core.xla_model as xm  # noqa: E402
+
+import donate_backend  # noqa: E402
+
+MIB = 2**20
+
+
+def _layers(width=256, depth=4):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def _step(model, opt):
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_the_plan_of_an_xla_step_counts_state_once_and_only_the_last_step(xla_device, tmp_path):
+    """SGD with momentum compiles a first-step graph (it makes the momentum buffers)
+    that later steps never run: the plan of the steady step leaves it out. Parameters
+    read by the forward, the backward and the optimizer count once; at the peak (the
+    backward) every gradient is live."""
+    model = _layers().to(xla_device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    x = torch.randn(512, 256).to(xla_device)
+    step = torch.compile(_step(model, opt), backend="donate_xla")
+    for _ in range(3):
+        step(x)
+        torch_xla.sync()
+        xm.wait_device_ops()
+    records = donate_backend.reports()
+    plan = donate_backend.memory_plan()
+    print("\n" + plan.as_text())
+    params = _nbytes(model.parameters())
+    momentum = _nbytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+    assert plan.path == "xla"
+    assert plan.resident_bytes == params + momentum + _nbytes([x])
+    assert plan.breakdown["parameters"] == params
+    # the peak is in the backward: every gradient live (and the loss's 4-byte tangent)
+    assert params <= plan.breakdown["gradients"] <= params + 64
+    assert plan.breakdown["activations"] > 0
+    inference = [r.name for r in records if r.kind == "inference"]
+    assert len(inference) == 2  # the optimizer's first step, and the steady one
+    planned = [g.name for g in plan.graphs]
+    assert len([n for n in planned if n in inference]) == 1, planned
+    assert any("XLA" in note for note in plan.notes)
+    matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    image = matplotlib.image.imread(plan.plot(str(tmp_path / "plan.png")))
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def _train(model, step, x, steps=5):
+    losses = []
+    for _ in range(steps):
+        losses.append(step(x))
+        torch_xla.sync()
+    return [float(v) for v in losses]
+
+
+def test_a_memory_limit_on_the_xla_path_is_met_by_recomputing_with_eager_values(xla_device):
+    """A limit at the resident bytes plus 0.75 of the default's growth: the partitioner
+    saves less (a budget below 1.0), the plan fits under the limit, and five SGD steps
+    equal eager's."""
+    x_cpu = torch.randn(1024, 512)
+    eager = _layers(width=512, depth=6)
+    default = copy.deepcopy(eager).to(xla_device)
+    x = x_cpu.to(xla_device)
+    opt = torch.optim.SGD(default.parameters(), lr=1e-2)
+    _train(default, torch.compile(_step(default, opt), backend="donate_xla"), x, steps=2)
+    plan = donate_backend.memory_plan()
+    limit = plan.resident_bytes + int(0.75 * plan.growth_bytes)
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+
+    limited = copy.deepcopy(eager).to(xla_device)
+    opt = torch.optim.SGD(limited.parameters(), lr=1e-2)
+    step = torch.compile(_step(limited, opt), backend="donate_xla", options={"memory_limit": limit})
+    losses = _train(limited, step, x)
+    fitted = donate_backend.memory_plan()
+    print(f"\nlimit {limit / MIB:.1f} MiB; default plan {plan.peak_bytes / MIB:.1f} MiB\n{fitted.as_text()}")
+    assert plan.peak_bytes > limit >= fitted.peak_bytes
+    assert any("chosen under memory_limit" in c for c in fitted.choices)
+
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=1e-2)
+    eager_losses = _train(eager, _step(eager, eager_opt), x_cpu)
+    assert losses == pytest.approx(eager_losses, rel=1e-4, abs=1e-6)
+    for got, expected in zip(limited.parameters(), eager.parameters()):
+        torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_an_impossible_memory_limit_on_the_xla_path_is_refused_before_anything_runs(xla_device):
+    model = _layers().to(xla_device)
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    step = torch.compile(_step(model, opt), backend="donate_xla", options={"memory_limit": "1MiB"})
+    with pytest.raises(Exception, match=r"graph \d+'s training step needs at least [\d.]+ MiB") as info:
+        step(torch.randn(512, 256).to(xla_device))
+    text = str(info.value)  # dynamo wraps the backend's error; the text is ours
+    assert "MemoryLimitError" in text and "memory_limit is 1.0 MiB (1048576 bytes)" in text and "Nothing has run" in text
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p.cpu(), b) for p, b in zip(model.parameters(), before))
