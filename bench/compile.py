@@ -12,7 +12,10 @@ Bytes (torch_xla's OutboundData) are printed raw: for the first three calls and
 per steady call. Inputs are on the device before the first call; what a steady
 call sends is per-call data (Adam's host `step` counters, RNG seeds). For
 donate_xla the bytes sent inside its lowering are also measured exactly (the
-graph records), which is the "while compiling" figure. Run: `make bench` or `python bench/compile.py [--steps N]`.
+graph records), which is the "while compiling" figure. Also printed: where the compile
+time goes (``donate_backend.compile_phases()``: dynamo, aot_autograd, and each phase of
+the graph compilers; for openxla only dynamo's and aot_autograd's timers apply).
+Run: `make bench` or `python bench/compile.py [--steps N]`.
 """
 from __future__ import annotations
 
@@ -57,7 +60,11 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
     step_s = median([t for t, _, _ in steady])
     step_b = median([b for _, b, _ in steady])
     records = donate_backend.reports()
+    split = donate_backend.compile_phases()
+    phases = {"dynamo": split.dynamo, "backend before aot_autograd": split.backend,
+              "aot_autograd": split.aot_autograd, **split.graphs}
     return dict(
+        phases=phases,
         model=model_name,
         backend=backend,
         compile_s=sum(t for t, _, _ in warm) - WARM_CALLS * step_s,
@@ -82,7 +89,7 @@ def main() -> None:
         print(json.dumps(worker(*args.worker, args.steps)))
         return
 
-    from xla_common import run_repeated, summarize, write_json
+    from xla_common import median, run_repeated, summarize, write_json
 
     rows = []
     for model_name in args.models.split(","):
@@ -128,6 +135,13 @@ def main() -> None:
         )
         print(f"{'  step ratio per repeat':28}{'':>14}{'':>14}  {' '.join(f'{r:.2f}' for r in step_ratios)}")
         print(f"{'loss after warm-up':28}{ref['loss']:>14.4f}{ours['loss']:>14.4f}")
+        # where the compile time goes (dynamo's timers cover openxla too; the graph phases are ours)
+        for b in ("openxla", "donate_xla"):
+            names = [n for n in runs[b][0]["phases"] if any(r["phases"].get(n) is not None for r in runs[b])]
+            print(f"  {b} compile phases, median s (min-max):")
+            for name in names:
+                values = [r["phases"][name] for r in runs[b] if r["phases"].get(name) is not None]
+                print(f"    {name:<34}{median(values):8.3f}  ({min(values):.3f}-{max(values):.3f})")
     write_json(args.json, rows)
 
 

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 from . import config
 from .errors import DonateXlaError, UnsupportedGraphError
+from .phases import CompilePhases, compile_phases
 from .planner import MemoryPlan, memory_plan
 from .report import GraphRecord, clear_reports, format_record, format_table, reports
 
 
 def _register() -> None:
-    from torch._dynamo.backends import registry
-
     from .backend import donate_xla
+    from .torch_compat import register_backend
 
-    # When dynamo found the entry point first, it registers the backend itself.
-    if "donate_xla" not in registry._BACKENDS and "donate_xla" not in registry._COMPILER_FNS:
-        registry.register_backend(name="donate_xla")(donate_xla)
+    register_backend("donate_xla", donate_xla)
 
 
 _register()
@@ -34,6 +32,8 @@ def _adjust_dynamo() -> None:
 _adjust_dynamo()
 
 __all__ = [
+    "CompilePhases",
+    "compile_phases",
     "config",
     "reports",
     "clear_reports",

@@ -25,9 +25,9 @@ import warnings
 from typing import Callable, Sequence
 
 import torch
-from torch._dynamo.backends.common import aot_autograd
 
 from . import budget, config
+from .torch_compat import aot_autograd
 from .analysis import stale_reads
 from .analysis.mutation import dynamo_input_roles
 from .errors import DonateXlaError

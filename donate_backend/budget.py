@@ -22,7 +22,7 @@ import logging
 import torch
 import torch.fx
 
-from . import config
+from . import config, torch_compat
 from .errors import DonateXlaError, UnsupportedGraphError
 
 log = logging.getLogger("donate_xla")
@@ -89,10 +89,8 @@ def _mib(nbytes: int) -> str:
 def _partition_at(share: float, min_cut, *args, **kwargs):
     if share >= 1.0:
         return min_cut(*args, **kwargs)
-    import torch._functorch.config as functorch_config
-
     keep_random_values_saved(args[0] if args else kwargs["joint_module"])
-    with functorch_config.patch(activation_memory_budget=share):
+    with torch_compat.activation_memory_budget(share):
         fw_module, bw_module = min_cut(*args, **kwargs)
     if not _saves_a_tuple(fw_module):
         return fw_module, bw_module

@@ -29,15 +29,17 @@ import operator
 import torch
 import torch.fx
 
+from . import torch_compat
+
 _INPLACE_OPERATORS = frozenset({
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
     operator.ilshift, operator.irshift, operator.imatmul,
 })
-# How dynamo records ``no_grad`` blocks and ``w.data`` (private torch functions, present in
-# 2.9 through 2.15; where one is gone, such graphs are simply left as they are).
-_SET_GRAD = getattr(torch._C, "_set_grad_enabled", None)
-_GET_DATA = getattr(getattr(torch._C, "_autograd", None), "_get_data_attr", None)
+# How dynamo records ``no_grad`` blocks and ``w.data`` (private torch functions; where one
+# is gone, such graphs are simply left as they are).
+_SET_GRAD = torch_compat.set_grad_enabled_function()
+_GET_DATA = torch_compat.get_data_attr_function()
 
 
 def _is_inplace(node: torch.fx.Node) -> bool:

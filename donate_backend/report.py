@@ -45,6 +45,9 @@ class GraphRecord:
     path: str  # xla or native
     num_inputs: int
     compile_seconds: float = 0.0
+    # where compile_seconds went: (phase, seconds), e.g. XLA: donors, trace, plan, xla compile,
+    # memory prediction; native: build, memory prediction
+    phases: tuple = ()
     transfers_count: int = 0  # host-to-device transfers while compiling
     transfers_bytes: int = 0
     constants_uploaded: int = 0  # lifted tensor constants uploaded once

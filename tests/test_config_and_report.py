@@ -217,3 +217,24 @@ def test_every_error_names_a_section_of_the_troubleshooting_page_that_exists():
     error = DonateXlaError("graph 1: something", help_section="While running")
     assert str(error) == 'graph 1: something\n(causes and fixes: docs/troubleshooting.md, "While running")'
     assert str(DonateXlaError("x")).endswith("(causes and fixes: docs/troubleshooting.md)")
+
+
+def test_compile_time_is_split_into_phases():
+    """Each record says where its compile time went, and ``compile_phases()`` adds dynamo's
+    and aot_autograd's share (dynamo's timers exist on every torch this runs on)."""
+    import torch
+
+    import donate_backend
+
+    donate_backend.clear_reports()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    torch.compile(model, backend="donate_xla")(torch.randn(4, 8)).sum().backward()
+    records = donate_backend.reports()
+    assert [r.kind for r in records] == ["forward", "backward"]
+    for r in records:
+        assert [name for name, _ in r.phases] == ["build", "memory prediction"]
+        assert r.compile_seconds == pytest.approx(sum(s for _, s in r.phases))
+    split = donate_backend.compile_phases()
+    assert split.dynamo > 0 and split.aot_autograd > 0 and split.backend >= 0
+    assert split.graphs["build"] == pytest.approx(sum(dict(r.phases)["build"] for r in records))
+    assert "aot_autograd" in split.as_text() and "memory prediction" in split.as_text()

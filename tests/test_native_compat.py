@@ -254,3 +254,12 @@ def test_boxed_call_is_read_only_exactly_on_newer_torch():
     torch.compile(model, backend="donate_xla")(x).sum().backward()
     expected = torch.autograd.grad(model(x).sum(), x)[0]
     torch.testing.assert_close(x.grad, expected)
+
+
+def test_inductor_config_patch_sets_and_restores():
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.fx_graph_cache
+    with compat.inductor_config_patch(fx_graph_cache=not before):
+        assert inductor_config.fx_graph_cache == (not before)
+    assert inductor_config.fx_graph_cache == before

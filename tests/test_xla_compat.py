@@ -541,3 +541,18 @@ def test_traced_call_tells_fake_and_placeholder_arguments_from_real_ones(monkeyp
     assert not compat.traced_call([real, real])
     monkeypatch.setitem(sys.modules, "torch._subclasses.fake_tensor", None)  # the helper moved
     assert compat.traced_call([real, fake])
+
+
+def test_dispatch_key_look_up_tells_lowered_ops_and_refuses_a_torch_without_it(monkeypatch):
+    assert compat.has_kernel_for_dispatch_key("aten::add.Tensor", "XLA")
+    assert not compat.has_kernel_for_dispatch_key("aten::add.Tensor", "MPS")
+    monkeypatch.delattr(torch._C, "_dispatch_has_kernel_for_dispatch_key")
+    with pytest.raises(compat.MissingXlaApiError, match="_dispatch_has_kernel_for_dispatch_key"):
+        compat.has_kernel_for_dispatch_key("aten::add.Tensor", "XLA")
+
+
+def test_view_meta_sequence_function_reads_a_functional_view():
+    get_sequence = compat.view_meta_sequence_function()
+    assert get_sequence is not None
+    base = torch._to_functional_tensor(torch.randn(2, 3))
+    assert list(get_sequence(base)) == []  # not a view

@@ -104,6 +104,15 @@ def test_debug_switch_logs_each_report(xla_device, caplog):
     assert any("donate_xla compiled graph" in m and "donation on" in m for m in caplog.messages)
 
 
+def test_an_xla_record_splits_its_compile_time_by_stage(xla_device):
+    f = torch.compile(lambda t: t.sin() * 2, backend="donate_xla")
+    f(torch.randn(3).to(xla_device))
+    (record,) = donate_backend.reports()
+    assert [name for name, _ in record.phases] == ["donors", "trace", "plan", "xla compile", "memory prediction"]
+    assert record.compile_seconds == pytest.approx(sum(s for _, s in record.phases))
+    assert dict(record.phases)["xla compile"] > 0
+
+
 def test_tensor_constants_are_uploaded_once_and_reported(xla_device):
     def f(x):
         scale = torch.tensor([1.0, 2.0, 3.0], device=x.device)  # a lifted constant

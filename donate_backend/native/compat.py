@@ -47,6 +47,8 @@ from typing import Callable, List, Optional
 
 import torch
 
+from .. import torch_compat
+
 
 def keep_graph() -> Optional[bool]:
     """True/False while a backward runs; None if this torch has no way to ask."""
@@ -97,23 +99,8 @@ def lift_aot_donation_check() -> bool:
     return True
 
 
-def current_tracing_context():
-    """The active TracingContext (to re-enter when recompiling lazily), or None."""
-    try:
-        from torch._guards import TracingContext
-    except ImportError:
-        return None
-    try_get = getattr(TracingContext, "try_get", None)
-    return try_get() if try_get is not None else None
-
-
-def tracing(context):
-    """Context manager that re-enters ``context`` (a no-op for None)."""
-    if context is None:
-        return contextlib.nullcontext()
-    from torch._guards import tracing as enter_tracing
-
-    return enter_tracing(context)
+current_tracing_context = torch_compat.current_tracing_context
+tracing = torch_compat.tracing
 
 
 def as_boxed(fn: Callable) -> Callable:
@@ -226,11 +213,8 @@ def aten_aot_options() -> dict:
     Without it (a torch that moved it) aot_autograd's default partitioner is
     used: the same gradients, more saved activations.
     """
-    try:
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-    except ImportError:
-        return {}
-    return {"partition_fn": min_cut_rematerialization_partition}
+    min_cut = torch_compat.min_cut_partition()
+    return {"partition_fn": min_cut} if min_cut is not None else {}
 
 
 def inductor_aot_options() -> dict:
@@ -247,12 +231,7 @@ def inductor_aot_options() -> dict:
     # Inductor's own partitioner runs its joint-graph passes, then min-cut.
     inductor_partition = getattr(inductor_compile_fx, "partition_fn", None)
     if inductor_partition is None:
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-        return {
-            "decompositions": select_decomp_table(),
-            "partition_fn": min_cut_rematerialization_partition,
-        }
+        return {"decompositions": select_decomp_table(), "partition_fn": torch_compat.min_cut_partition()}
 
     def partition_fn(gm, joint_inputs, **kwargs):
         with _inductor_fake_mode(list(joint_inputs)):
@@ -299,3 +278,10 @@ def size_hint(value) -> Optional[int]:
         hint = getattr(getattr(value, "node", None), "hint", None)
         return int(hint) if isinstance(hint, int) else None
     return None
+
+
+def inductor_config_patch(**changes):
+    """Context manager: Inductor's config with ``changes``."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(**changes)

@@ -156,8 +156,13 @@ class CompiledGraph:
             )
         built.bucket_grads = prepared.bucket_grads
         built.bucket_bytes = prepared.bucket_bytes
+        predicted_at = time.perf_counter()
         built.memory = self._predict_memory(prepared.gm, settings)
-        self.record.compile_seconds += time.perf_counter() - started
+        finished = time.perf_counter()
+        self.record.compile_seconds += finished - started
+        self.record.phases = _added(
+            self.record.phases, (("build", predicted_at - started), ("memory prediction", finished - predicted_at))
+        )
         return built
 
     def _predict_memory(self, gm, settings: config.Settings):
@@ -175,6 +180,14 @@ class CompiledGraph:
         except Exception as error:  # noqa: BLE001  (reported, never raised)
             report.log.debug("donate_xla: no memory prediction for %s: %s", self.ctx.name, error)
             return None
+
+
+def _added(phases: tuple, more: tuple) -> tuple:
+    """``phases`` with ``more``'s seconds added by name (a second build adds to the first)."""
+    total = dict(phases)
+    for name, seconds in more:
+        total[name] = total.get(name, 0.0) + seconds
+    return tuple(total.items())
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, ctx) -> CompiledGraph:

@@ -111,8 +111,6 @@ class InductorProgram:
 
 
 def _build_inductor(gm, example_inputs, ctx, settings: config.Settings, donated_indices) -> Built:
-    import torch._inductor.config as inductor_config
-
     is_backward = ctx.kind == "backward"
     tracing_context = compat.current_tracing_context()
     traced_for_inductor = getattr(ctx.captured, "aot_compiler", None) == "inductor"
@@ -133,7 +131,7 @@ def _build_inductor(gm, example_inputs, ctx, settings: config.Settings, donated_
         outside = compat.current_tracing_context() is None
         with compat.tracing(tracing_context if outside else None), compat.donated_indices(
             donated
-        ), inductor_config.patch(fx_graph_cache=False):
+        ), compat.inductor_config_patch(fx_graph_cache=False):
             return compat.inductor_compile(
                 own, example_inputs, is_backward=is_backward, is_inference=ctx.kind == "inference"
             )

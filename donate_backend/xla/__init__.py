@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .. import budget, config
+from .. import budget, config, torch_compat
 from ..analysis.aliasing import overlapping_inputs_written
 from ..analysis.mutation import donation_requests
 from ..errors import UnsupportedGraphError
@@ -28,9 +28,8 @@ def aot_options() -> dict:
     copy of its weight, held from forward to backward (175 MiB on a
     52M-parameter MLP). Min-cut recomputes such views in backward instead.
     """
-    try:  # private torch API, present in 2.9 through 2.13
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-    except ImportError:
+    min_cut_rematerialization_partition = torch_compat.min_cut_partition()
+    if min_cut_rematerialization_partition is None:
         log.warning(
             "donate_xla: torch has no min-cut partitioner here; the XLA forward will save "
             "transposed weights for backward (more memory, same results)"

@@ -27,6 +27,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch_xla
 
+from .. import torch_compat
 from ..errors import DonateXlaError
 
 BUILT_FOR = "torch_xla 2.9"
@@ -183,12 +184,7 @@ def aot_version_bumped_inputs() -> Optional[frozenset]:
     """Inputs of the graph being compiled whose version counter aot_autograd's runtime
     wrapper increments before each call (graph-handled input mutations autograd
     sees), or None if unknown (no tracing context, another torch)."""
-    try:
-        from torch._guards import TracingContext
-    except ImportError:
-        return None
-    try_get = _torch_api(TracingContext, "try_get")
-    context = try_get() if try_get is not None else None
+    context = torch_compat.current_tracing_context()
     metadata = getattr(context, "fw_metadata", None) if context is not None else None
     indices = getattr(metadata, "mutated_graph_handled_indices_seen_by_autograd", None)
     if indices is None or getattr(metadata, "keep_input_mutations", True) is False:
@@ -576,3 +572,22 @@ def decomposition(op: torch._ops.OpOverload):
     except ImportError:
         return None
     return decomposition_table.get(op)
+
+
+def view_meta_sequence_function():
+    """torch's ``get_view_meta_sequence`` (the view steps a functional tensor was made
+    by), or None on a torch without it."""
+    return getattr(getattr(torch._C, "_functionalization", None), "get_view_meta_sequence", None)
+
+
+def has_kernel_for_dispatch_key(op_name: str, key: str) -> bool:
+    """Whether ``op_name`` has a kernel for dispatch key ``key``: which ops torch_xla
+    lowers (a missing function is the wrong torch for this torch_xla: refused)."""
+    check = _torch_api(torch._C, "_dispatch_has_kernel_for_dispatch_key")
+    if check is None:
+        raise MissingXlaApiError(
+            f"donate_xla: this torch ({torch.__version__}) has no "
+            "torch._C._dispatch_has_kernel_for_dispatch_key, which the XLA path needs to tell "
+            f"which ops torch_xla lowers; donate_xla is built for {BUILT_FOR}."
+        )
+    return bool(check(op_name, key))

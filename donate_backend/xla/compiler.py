@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 import torch_xla
 
-from .. import budget, config, report
+from .. import budget, config, report, torch_compat
 from ..analysis import aliasing, mutation
 from ..builds import BuildsPerSetting
 from . import compat, fallback, host, metrics, segments
@@ -50,9 +50,7 @@ def _num_user_outputs(ctx) -> Optional[int]:
     """For forward graphs: outputs at or past this index are saved for backward."""
     if ctx.kind != "forward" or getattr(ctx, "segment", None) is not None:
         return None
-    ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None)
-    return getattr(meta, "num_forward", None)
+    return torch_compat.forward_output_count()
 
 
 def _role(roles: Sequence[str], num_inputs: int, index: int, kind: str) -> str:
@@ -255,6 +253,7 @@ def compile_graph(gm, example_inputs, ctx):
     check_inputs(example_inputs, ctx.name)
 
     def executable_for(settings: config.Settings, args=None, device_args=None) -> XlaExecutable:
+        analysed = time.perf_counter()
         examples = concrete_examples(example_inputs, args) if symbolic else example_inputs
         real_inputs = device_args if compat.is_spmd() else None
         choice = choose_donors(gm, examples, ctx, roles)
@@ -293,6 +292,14 @@ def compile_graph(gm, example_inputs, ctx):
             lowered = relower(True, real_inputs)
         seconds = time.perf_counter() - start
         transfers = metrics.transfer_snapshot().minus(before)
+        predicted_at = time.perf_counter()
+        predicted = xla_memory.predict_or_none(
+            gm, ctx.name, ctx.kind, donors=lowered.donors if not stitch else (choice.donors if donation else ()),
+            forward_returns=_num_user_outputs(ctx),
+        )
+        phases = (("donors", start - analysed),) + lowered.phases + (
+            ("memory prediction", time.perf_counter() - predicted_at),
+        )
         record = report.add(
             report.GraphRecord(
                 graph_id=ctx.graph_id,
@@ -300,7 +307,7 @@ def compile_graph(gm, example_inputs, ctx):
                 device="xla",
                 path="xla",
                 num_inputs=len(examples),
-                compile_seconds=seconds,
+                compile_seconds=sum(s for _, s in phases),
                 transfers_count=transfers.transfer_count,
                 transfers_bytes=int(transfers.outbound_bytes),
                 constants_uploaded=lowered.constants_uploaded,
@@ -318,10 +325,8 @@ def compile_graph(gm, example_inputs, ctx):
                 input_shapes=tuple(tuple(t.shape) for t in examples if isinstance(t, torch.Tensor)) if symbolic else None,
                 lowered=lowered,
                 budget_choice=gm.meta.get(budget.CHOICE_META),
-                memory=xla_memory.predict_or_none(
-                    gm, ctx.name, ctx.kind, donors=lowered.donors if not stitch else (choice.donors if donation else ()),
-                    forward_returns=_num_user_outputs(ctx),
-                ),
+                memory=predicted,
+                phases=phases,
             )
         )
         on_call = functools.partial(

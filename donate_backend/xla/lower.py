@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import time
 import traceback
 from typing import Optional, Sequence
 
@@ -59,6 +60,8 @@ class LoweredGraph:
     # stitched (DONATE_XLA_STITCH): the graph as an XLA computation that lazy IR calls,
     # not an executable of its own (see runtime.StitchedExecutable)
     computation: object = None
+    # seconds per stage: ("trace", ...), ("plan", ...), ("xla compile", ...)
+    phases: tuple = ()
 
     def as_text(self) -> str:
         head = f"{self.graph_name}: lowered"
@@ -131,7 +134,9 @@ def _lower_live(
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else () for t in example_inputs]
         for i, source in spmd.inherited_shardings(gm, specs, shapes).items():
             shardings[i] = shardings[source]
+    started = time.perf_counter()
     with traced_on_placeholders(gm, example_inputs, donors, graph_name, real_inputs) as live:
+        traced_at = time.perf_counter()
         traced = dataclasses.replace(
             traced, constants_uploaded=live.constants_uploaded, recompute_gated=live.recompute_gated
         )
@@ -155,16 +160,21 @@ def _lower_live(
             params = plan_parameters(plan.tensors, live, example_inputs, graph_name)
             graph_hash = compat.graph_hash(plan.tensors)
             hlo = compat.hlo_text(plan.tensors) if keep_hlo_text or config.current().debug else None
+            planned_at = time.perf_counter()
             if stitch:
                 computation = _computation(plan.tensors, params, graph_name)
                 return LoweredGraph(
                     graph_name, graph_hash, params, tuple(plan.specs), plan.writebacks, plan.outputs,
                     donors, traced, live.constants_uploaded, None, hlo, 0, computation,
+                    phases=(("trace", traced_at - started), ("plan", planned_at - traced_at),
+                            ("xla computation", time.perf_counter() - planned_at)),
                 )
             aliased = _compile_into_cache(plan.tensors, graph_hash)
             return LoweredGraph(
                 graph_name, graph_hash, params, tuple(plan.specs), plan.writebacks, plan.outputs,
                 donors, traced, live.constants_uploaded, None, hlo, aliased,
+                phases=(("trace", traced_at - started), ("plan", planned_at - traced_at),
+                        ("xla compile", time.perf_counter() - planned_at)),
             )
         finally:
             plan.tensors.clear()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import torch_compat
+
 
 def _is_ones(output_size, dims: int) -> bool:
     if isinstance(output_size, int):
@@ -41,10 +43,11 @@ def global_avg_pool3d(input, output_size):
 
 _REPLACEMENTS = {
     F.adaptive_avg_pool2d: global_avg_pool2d,
-    torch._C._nn.adaptive_avg_pool2d: global_avg_pool2d,
+    torch_compat.nn_function("adaptive_avg_pool2d"): global_avg_pool2d,
     F.adaptive_avg_pool3d: global_avg_pool3d,
-    torch._C._nn.adaptive_avg_pool3d: global_avg_pool3d,
+    torch_compat.nn_function("adaptive_avg_pool3d"): global_avg_pool3d,
 }
+_REPLACEMENTS.pop(None, None)  # a torch without them
 
 
 def rewrite_for_xla(gm: torch.fx.GraphModule) -> int:

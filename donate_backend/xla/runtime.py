@@ -73,7 +73,7 @@ def identity_storages(tensors: Sequence[torch.Tensor]) -> bool:
     Gradients that aot_autograd returns as views of a backward intermediate are
     like this; parameters (a ``detach`` of their base) are not.
     """
-    get_sequence = getattr(torch._C._functionalization, "get_view_meta_sequence", None)
+    get_sequence = compat.view_meta_sequence_function()
     if get_sequence is None:  # unknown torch: only plain, non-view tensors are donated
         return not any(t._is_view() for t in tensors)
     return all(type(meta).__name__ in _IDENTITY_VIEWS for t in tensors for meta in get_sequence(t))

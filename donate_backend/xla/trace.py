@@ -337,7 +337,7 @@ def has_xla_lowering(op: torch._ops.OpOverload) -> bool:
     name = op.name()
     if name in _CRASH_ON_PLACEHOLDERS:
         return False
-    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in _LOWERABLE_KEYS)
+    return any(compat.has_kernel_for_dispatch_key(name, k) for k in _LOWERABLE_KEYS)
 
 
 def check_inputs(example_inputs: Sequence, graph_name: str) -> list[int]:
