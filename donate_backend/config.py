@@ -37,8 +37,9 @@ class Settings:
     # under an activation budget below 1.0 (see ``orders_recompute``)
     order_recompute: Optional[bool] = None
     # DONATE_XLA_BACKWARD_SEGMENTS: XLA backward graphs run as up to this many executables,
-    # each saved tensor released after the last one that reads it (0 or 1: one executable)
-    backward_segments: int = 0
+    # each saved tensor released after the last one that reads it (0 or 1: one executable);
+    # None ("auto", the default): split where it releases enough (``xla.segments.worth_splitting``)
+    backward_segments: Optional[int] = None
     # DONATE_XLA_MEMORY_LIMIT: bytes (or "12GiB", "500MB") a step may use; the native path
     # picks the least activation recomputation that fits, or refuses the graph before it runs
     memory_limit: Optional[int] = None
@@ -61,10 +62,14 @@ class Settings:
                 f"donate_xla: memory_limit must be a number of bytes > 0, got {self.memory_limit!r} "
                 "(set DONATE_XLA_MEMORY_LIMIT, e.g. 12GiB, or options={'memory_limit': '12GiB'})"
             )
-        if isinstance(self.backward_segments, bool) or not isinstance(self.backward_segments, int) or self.backward_segments < 0:
+        if self.backward_segments is not None and (
+            isinstance(self.backward_segments, bool) or not isinstance(self.backward_segments, int)
+            or self.backward_segments < 0
+        ):
             raise ValueError(
-                f"donate_xla: backward_segments must be a whole number >= 0, got {self.backward_segments!r} "
-                "(set DONATE_XLA_BACKWARD_SEGMENTS, e.g. 8; 0 runs each backward as one executable)"
+                f"donate_xla: backward_segments must be a whole number >= 0 or None (automatic), got "
+                f"{self.backward_segments!r} (set DONATE_XLA_BACKWARD_SEGMENTS, e.g. 8; 0 runs each backward "
+                "as one executable; auto splits where it releases enough)"
             )
 
     @property
@@ -140,12 +145,16 @@ def settings_from_env(environ: Mapping[str, str]) -> Settings:
             ) from None
     if "DONATE_XLA_BACKWARD_SEGMENTS" in environ:
         raw = environ["DONATE_XLA_BACKWARD_SEGMENTS"]
-        try:
-            kwargs["backward_segments"] = int(raw.strip())
-        except ValueError:
-            raise ValueError(
-                f"donate_xla: DONATE_XLA_BACKWARD_SEGMENTS={raw!r} is not a whole number; use e.g. 8 (0: off)"
-            ) from None
+        if raw.strip().lower() in ("", "auto"):
+            kwargs["backward_segments"] = None
+        else:
+            try:
+                kwargs["backward_segments"] = int(raw.strip())
+            except ValueError:
+                raise ValueError(
+                    f"donate_xla: DONATE_XLA_BACKWARD_SEGMENTS={raw!r} is not a whole number or 'auto'; "
+                    "use e.g. 8 (0: off)"
+                ) from None
     if environ.get("DONATE_XLA_MEMORY_LIMIT", "").strip():
         kwargs["memory_limit"] = parse_bytes(environ["DONATE_XLA_MEMORY_LIMIT"], "DONATE_XLA_MEMORY_LIMIT")
     return Settings(**kwargs)

@@ -167,6 +167,8 @@ def _optimizer_state_bytes(optimizer, seen: set) -> int:
 def _choices(records: Iterable[report.GraphRecord]) -> Tuple[str, ...]:
     out = []
     for r in records:
+        if r.segments_choice:
+            out.append(f"{r.name}: {r.segments_choice}")
         if r.budget_choice:
             out.append(f"{r.name}: {r.budget_choice}")
         if r.kind == "backward" and r.saved_freed_early is not None:
@@ -296,7 +298,7 @@ def memory_plan(
         resident_bytes=resident_bytes,
         breakdown={c: b for c, b in breakdown.items()},
         graphs=tuple(planned),
-        choices=_choices(native),
+        choices=_choices([r for r in records if r.path == path]),
         path=path,
         notes=tuple(notes),
     )

@@ -68,6 +68,7 @@ class GraphRecord:
     # XLA backward graphs run in segments (xla/segments.py): how many, and the bytes of
     # inputs (saved tensors, incoming gradients) released before the last segment runs
     backward_segments: int = 0
+    segments_choice: Optional[str] = None  # why it was split (automatic or by the switch)
     released_bytes: int = 0
     # Memory plan inputs (``donate_backend.planner``): the graph's own allocations
     # (native path: ``native.memory.GraphMemory``), the inputs a caller holds across

@@ -11,7 +11,7 @@ def test_defaults_are_on():
     assert (s.donation, s.free_saved, s.bucket_view, s.debug) == (True, True, True, False)
     assert s.native_compiler == "aten"
     assert (s.stitch, s.activation_budget, s.order_recompute) == (False, 1.0, None)
-    assert s.backward_segments == 0
+    assert s.backward_segments is None  # automatic (xla.segments.worth_splitting)
 
 
 @pytest.mark.parametrize(
@@ -41,9 +41,11 @@ def test_memory_switches_parse_and_validate():
     with pytest.raises(ValueError, match=r"activation_budget must be in \(0, 1\], got 1.5"):
         config.settings_from_env({"DONATE_XLA_ACTIVATION_BUDGET": "1.5"})
     assert config.settings_from_env({"DONATE_XLA_BACKWARD_SEGMENTS": " 8 "}).backward_segments == 8
+    assert config.settings_from_env({"DONATE_XLA_BACKWARD_SEGMENTS": "0"}).backward_segments == 0
+    assert config.settings_from_env({"DONATE_XLA_BACKWARD_SEGMENTS": "auto"}).backward_segments is None
     with pytest.raises(ValueError, match="DONATE_XLA_BACKWARD_SEGMENTS='eight' is not a whole number"):
         config.settings_from_env({"DONATE_XLA_BACKWARD_SEGMENTS": "eight"})
-    with pytest.raises(ValueError, match="backward_segments must be a whole number >= 0, got -2"):
+    with pytest.raises(ValueError, match=r"backward_segments must be a whole number >= 0 or None \(automatic\), got -2"):
         config.settings_from_env({"DONATE_XLA_BACKWARD_SEGMENTS": "-2"})
     with pytest.raises(ValueError, match="got True"):
         config.Settings(backward_segments=True)

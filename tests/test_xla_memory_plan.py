@@ -16,6 +16,7 @@ import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 
 import donate_backend  # noqa: E402
+from xla_models import squared_mean_step  # noqa: E402
 
 MIB = 2**20
 
@@ -28,22 +29,11 @@ def _layers(width=256, depth=4):
     return torch.nn.Sequential(*layers)
 
 
-def _step(model, opt):
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
-
-
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def test_the_plan_of_an_xla_step_counts_state_once_and_only_the_last_step(xla_device, tmp_path):
+def test_the_plan_of_an_xla_step_counts_state_once_and_only_the_lastsquared_mean_step(xla_device, tmp_path):
     """SGD with momentum compiles a first-step graph (it makes the momentum buffers)
     that later steps never run: the plan of the steady step leaves it out. Parameters
     read by the forward, the backward and the optimizer count once; at the peak (the
@@ -51,7 +41,7 @@ def test_the_plan_of_an_xla_step_counts_state_once_and_only_the_last_step(xla_de
     model = _layers().to(xla_device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     x = torch.randn(512, 256).to(xla_device)
-    step = torch.compile(_step(model, opt), backend="donate_xla")
+    step = torch.compile(squared_mean_step(model, opt), backend="donate_xla")
     for _ in range(3):
         step(x)
         torch_xla.sync()
@@ -96,7 +86,7 @@ def test_a_memory_limit_on_the_xla_path_is_met_by_recomputing_with_eager_values(
     default = copy.deepcopy(eager).to(xla_device)
     x = x_cpu.to(xla_device)
     opt = torch.optim.SGD(default.parameters(), lr=1e-2)
-    _train(default, torch.compile(_step(default, opt), backend="donate_xla"), x, steps=2)
+    _train(default, torch.compile(squared_mean_step(default, opt), backend="donate_xla"), x, steps=2)
     plan = donate_backend.memory_plan()
     limit = plan.resident_bytes + int(0.75 * plan.growth_bytes)
     torch._dynamo.reset()
@@ -104,7 +94,7 @@ def test_a_memory_limit_on_the_xla_path_is_met_by_recomputing_with_eager_values(
 
     limited = copy.deepcopy(eager).to(xla_device)
     opt = torch.optim.SGD(limited.parameters(), lr=1e-2)
-    step = torch.compile(_step(limited, opt), backend="donate_xla", options={"memory_limit": limit})
+    step = torch.compile(squared_mean_step(limited, opt), backend="donate_xla", options={"memory_limit": limit})
     losses = _train(limited, step, x)
     fitted = donate_backend.memory_plan()
     print(f"\nlimit {limit / MIB:.1f} MiB; default plan {plan.peak_bytes / MIB:.1f} MiB\n{fitted.as_text()}")
@@ -112,7 +102,7 @@ def test_a_memory_limit_on_the_xla_path_is_met_by_recomputing_with_eager_values(
     assert any("chosen under memory_limit" in c for c in fitted.choices)
 
     eager_opt = torch.optim.SGD(eager.parameters(), lr=1e-2)
-    eager_losses = _train(eager, _step(eager, eager_opt), x_cpu)
+    eager_losses = _train(eager, squared_mean_step(eager, eager_opt), x_cpu)
     assert losses == pytest.approx(eager_losses, rel=1e-4, abs=1e-6)
     for got, expected in zip(limited.parameters(), eager.parameters()):
         torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-5)
@@ -122,7 +112,7 @@ def test_an_impossible_memory_limit_on_the_xla_path_is_refused_before_anything_r
     model = _layers().to(xla_device)
     before = [p.detach().cpu().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    step = torch.compile(_step(model, opt), backend="donate_xla", options={"memory_limit": "1MiB"})
+    step = torch.compile(squared_mean_step(model, opt), backend="donate_xla", options={"memory_limit": "1MiB"})
     with pytest.raises(Exception, match=r"graph \d+'s training step needs at least [\d.]+ MiB") as info:
         step(torch.randn(512, 256).to(xla_device))
     text = str(info.value)  # dynamo wraps the backend's error; the text is ours

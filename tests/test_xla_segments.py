@@ -20,7 +20,7 @@ from donate_backend import config
 from donate_backend.xla import segments
 from live_growth import live_growth
 from xla_capture import normalize_fx
-from xla_models import CASES, train
+from xla_models import CASES, squared_mean_step, train
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -251,7 +251,7 @@ def test_per_compile_options_set_segments_for_one_function_only(xla_device):
     split = {r.graph_id for r in backwards if r.backward_segments}
     assert len(split) == 1 and all(r.backward_segments <= 3 for r in backwards)
     assert {r.graph_id for r in backwards} - split  # the other function's backward: one executable
-    assert config.current().backward_segments == 0
+    assert config.current().backward_segments is None
 
 
 def _live_growth(count: int) -> dict:
@@ -306,3 +306,49 @@ def forward(self, mm_1, w3_1, getitem_1):
     sigmoid_default = torch.ops.aten.sigmoid.default(mm_default);  mm_default = None
     add_tensor = torch.ops.aten.add.Tensor(sigmoid_default, getitem_1);  sigmoid_default = getitem_1 = None
     return add_tensor""")
+
+
+def test_segments_are_chosen_automatically_only_where_they_release_enough(xla_device, monkeypatch):
+    """By default a backward is split where splitting releases at least
+    ``AUTO_MIN_RELEASED`` bytes (and a quarter) of the saved activations before its last
+    segment; a small backward stays one executable, and a forced 0 turns it off. The
+    choice is in the records and the memory plan; values equal the CPU's."""
+    import torch_xla
+
+    def train(model, **options):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = torch.compile(squared_mean_step(model, opt), backend="donate_xla", options=options or None)
+        for _ in range(2):
+            run(x.to(xla_device))
+            torch_xla.sync()
+        return [r for r in donate_backend.reports() if r.backward_segments]
+
+    def make():
+        return torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())])
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)  # 128 KiB per saved activation
+    cpu = make()
+    reference = [p.detach().clone() for p in cpu.parameters()]
+    assert train(make().to(xla_device)) == []  # far below 32 MiB: one executable
+    monkeypatch.setattr(segments, "AUTO_MIN_RELEASED", 64 * 2**10)  # as if the model were large
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    model = make()
+    with torch.no_grad():
+        for p, r in zip(model.parameters(), reference):
+            p.copy_(r)
+    split = train(model.to(xla_device))
+    assert len(split) == 1 and split[0].backward_segments >= 2
+    assert split[0].segments_choice.startswith("chosen automatically: backward in")
+    assert any("chosen automatically" in c for c in donate_backend.memory_plan().choices)
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    assert train(make().to(xla_device), backward_segments=0) == []
+    cpu_opt = torch.optim.SGD(cpu.parameters(), lr=0.1)
+    for _ in range(2):
+        cpu(x).square().mean().backward()
+        cpu_opt.step()
+        cpu_opt.zero_grad()
+    for a, b in zip(cpu.parameters(), model.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), **TOL)

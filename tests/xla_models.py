@@ -164,6 +164,12 @@ def linear_sgd_momentum(device, compile_fn=lambda f: f, seed: int = 0):
     torch.manual_seed(seed)
     model = nn.Linear(4, 3).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return list(model.parameters()), opt, compile_fn(squared_mean_step(model, opt)), torch.randn(8, 4).to(device)
+
+
+def squared_mean_step(model, opt):
+    """A whole training step on ``model(x).square().mean()``: backward, optimizer step,
+    gradients zeroed; returns the loss."""
 
     def step(x):
         loss = model(x).square().mean()
@@ -172,4 +178,4 @@ def linear_sgd_momentum(device, compile_fn=lambda f: f, seed: int = 0):
         opt.zero_grad()
         return loss
 
-    return list(model.parameters()), opt, compile_fn(step), torch.randn(8, 4).to(device)
+    return step

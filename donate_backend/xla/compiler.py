@@ -215,16 +215,22 @@ def _split_backward(gm, ctx, settings: config.Settings, symbolic: bool) -> Optio
     """
     if ctx.kind != "backward" or getattr(ctx, "segment", None) is not None:
         return None
-    if settings.backward_segments < 2 or symbolic or compat.is_spmd() or settings.stitch:
+    if symbolic or compat.is_spmd() or settings.stitch:
+        return None
+    if settings.backward_segments is None:  # automatic: where it releases enough
+        split = segments.split_backward(gm, segments.AUTO_SEGMENTS)
+        return split if split is not None and segments.worth_splitting(split) else None
+    if settings.backward_segments < 2:
         return None
     return segments.split_backward(gm, settings.backward_segments)
 
 
-def _record_split(split: segments.SplitBackward, ctx, num_inputs: int) -> None:
+def _record_split(split: segments.SplitBackward, ctx, num_inputs: int, automatic: bool) -> None:
     report.add(
         report.GraphRecord(
             graph_id=ctx.graph_id, kind=ctx.kind, device="xla", path="xla", num_inputs=num_inputs,
             backward_segments=split.count, released_bytes=split.released_bytes,
+            segments_choice=("chosen automatically: " if automatic else "backward_segments setting: ") + split.choice,
         )
     )
 
@@ -351,7 +357,7 @@ def compile_graph(gm, example_inputs, ctx):
     def build(settings: config.Settings):
         split = _split_backward(gm, ctx, settings, symbolic)
         if split is not None:
-            _record_split(split, ctx, len(example_inputs))
+            _record_split(split, ctx, len(example_inputs), automatic=settings.backward_segments is None)
             return segments.compile_split(split, ctx, compile_graph, fallback.SegmentContext)
         if symbolic or compat.is_spmd():
             return PerSignatureExecutable(

@@ -32,6 +32,14 @@ from torch.fx.passes.split_module import split_module
 
 from .fallback import returns_one_value, segment_example_inputs
 
+# Automatic splitting (``backward_segments`` unset): into this many segments, where the
+# split releases at least AUTO_MIN_RELEASED bytes and AUTO_MIN_SHARE of the activations
+# the forward saved before the backward's last segment. Below that the memory gained is small beside what
+# each extra executable costs a call.
+AUTO_SEGMENTS = 8
+AUTO_MIN_RELEASED = 32 * 2**20
+AUTO_MIN_SHARE = 0.25
+
 
 def _tensor_bytes(node: torch.fx.Node) -> int:
     val = node.meta.get("val")
@@ -128,6 +136,17 @@ class SplitBackward:
     count: int
     released_bytes: int  # inputs released before the last segment runs
     input_bytes: int  # all tensor inputs (saved tensors and incoming gradients)
+    requested: int = 0  # the most segments asked for
+    released_saved_bytes: int = 0  # of released_bytes, activations saved by the forward
+    saved_bytes: int = 0  # all activations saved by the forward (inputs that are not its primals)
+
+    @property
+    def choice(self) -> str:
+        return (
+            f"backward in {self.count} segments (at most {self.requested} asked), releasing "
+            f"{self.released_saved_bytes / 2**20:.1f} of {self.saved_bytes / 2**20:.1f} MiB of saved "
+            "activations before the last; recomputes nothing"
+        )
 
     def as_text(self) -> str:
         parts = [
@@ -150,9 +169,20 @@ def split_backward(gm: torch.fx.GraphModule, count: int) -> Optional[SplitBackwa
     readers = last_readers(gm.graph)
     released = sum(_tensor_bytes(p) for p, node in readers.items() if ids[node] < last)
     inputs = sum(_tensor_bytes(p) for p in gm.graph.find_nodes(op="placeholder"))
+    # a forward's inputs (parameters, the batch: "primals_*") live on with their owner;
+    # the activations it saved die with the backward (tangents are neither)
+    saved = [p for p in gm.graph.find_nodes(op="placeholder") if not p.name.startswith(("primals", "tangents"))]
+    released_saved = sum(_tensor_bytes(p) for p in saved if p in readers and ids[readers[p]] < last)
     ordered, ids = _in_segment_order(gm, ids)
     top = split_module(ordered, None, lambda node: ids[node], keep_original_order=True)
-    return SplitBackward(top, len(set(ids.values())), released, inputs)
+    return SplitBackward(
+        top, len(set(ids.values())), released, inputs, count, released_saved, sum(_tensor_bytes(p) for p in saved)
+    )
+
+
+def worth_splitting(split: SplitBackward) -> bool:
+    """Whether an automatic split releases enough to pay for its extra executables."""
+    return split.released_saved_bytes >= max(AUTO_MIN_RELEASED, AUTO_MIN_SHARE * split.saved_bytes)
 
 
 def _in_segment_order(gm: torch.fx.GraphModule, ids: dict) -> tuple:
