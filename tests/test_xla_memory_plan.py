@@ -119,3 +119,16 @@ def test_an_impossible_memory_limit_on_the_xla_path_is_refused_before_anything_r
     assert "MemoryLimitError" in text and "memory_limit is 1.0 MiB (1048576 bytes)" in text and "Nothing has run" in text
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p.cpu(), b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_plan_over_graphs_of_both_paths_is_refused_with_what_to_pass(xla_device):
+    on_cpu = torch.nn.Linear(8, 8)
+    torch.compile(on_cpu, backend="donate_xla")(torch.randn(4, 8)).sum().backward()
+    on_xla = torch.nn.Linear(8, 8).to(xla_device)
+    torch.compile(on_xla, backend="donate_xla")(torch.randn(4, 8).to(xla_device)).sum().backward()
+    torch_xla.sync()
+    with pytest.raises(donate_backend.DonateXlaError, match="found graphs of both paths") as info:
+        donate_backend.memory_plan()
+    assert "records=[r for r in donate_backend.reports() if r.path == 'xla']" in str(info.value)
+    xla_only = [r for r in donate_backend.reports() if r.path == "xla"]
+    assert donate_backend.memory_plan(records=xla_only).path == "xla"

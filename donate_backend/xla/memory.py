@@ -74,18 +74,10 @@ def _fusible(node: torch.fx.Node) -> bool:
     """Elementwise or a view: XLA computes it inside the op that reads it."""
     if node.op != "call_function":
         return False
-    if node.target is operator.getitem:
+    if _is_view(node) or torch.Tag.pointwise in getattr(node.target, "tags", ()):
         return True
     if _op_name(node).startswith("_foreach_"):  # elementwise over a list
         return True
-    tags = getattr(node.target, "tags", ())
-    if torch.Tag.pointwise in tags:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None and schema.returns:
-        alias = schema.returns[0].alias_info
-        if alias is not None and not alias.is_write:
-            return True
     return _op_name(node) in {"clone", "_to_copy", "expand", "view", "reshape", "t", "permute",
                               "transpose", "unsqueeze", "squeeze", "slice", "select", "alias",
                               "_unsafe_view", "lift_fresh_copy", "where", "full", "zeros", "ones",
@@ -137,7 +129,7 @@ def predict(
         if not isinstance(value, torch.fx.Node) or value in returned:
             continue
         returned.add(value)
-        if value.op == "placeholder" or _root_input(value) is not None:
+        if _view_base(value).op == "placeholder":  # an input, or a view of one: no buffer of its own
             continue
         size = _bytes(value)
         out_parts[category(index)] = out_parts.get(category(index), 0) + size
@@ -241,18 +233,6 @@ def _view_base(node: torch.fx.Node) -> torch.fx.Node:
             return node
         node = node.args[0]
     return node
-
-
-def _root_input(node: torch.fx.Node) -> Optional[torch.fx.Node]:
-    """The placeholder ``node`` is a view of, if it is one."""
-    seen = 0
-    while node.op == "call_function" and seen < 64:
-        schema = getattr(node.target, "_schema", None)
-        alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
-        if alias is None or alias.is_write or not node.args or not isinstance(node.args[0], torch.fx.Node):
-            return None
-        node, seen = node.args[0], seen + 1
-    return node if node.op == "placeholder" else None
 
 
 def predict_or_none(gm: torch.fx.GraphModule, name: str, kind: str, **kwargs) -> Optional[GraphMemory]:
