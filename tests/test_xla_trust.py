@@ -137,6 +137,44 @@ def test_copy_between_inputs_then_update_the_source():
     run_against_eager(program, steps=3)
 
 
+@pytest.mark.parametrize("donation", ["on", "off"])
+def test_a_buffer_restored_after_a_read_the_backward_needs(donation, monkeypatch):
+    """A buffer updated in place, read into the loss, then copied back to its old
+    value: the backward needs the value the forward read. torch_xla's functional
+    ``aten.copy`` kernel also wrote into its first argument, so the saved value
+    was overwritten by the restored one (a wrong gradient, donation on or off)."""
+    monkeypatch.setenv("DONATE_XLA_DONATION", "1" if donation == "on" else "0")
+
+    def program(device, compile_):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter((torch.randn(8, 8) * 0.3).to(device))
+        saved, stat = torch.randn(8).to(device), torch.randn(8).to(device)
+
+        def step_fn(x):
+            with torch.no_grad():
+                saved.copy_(stat)
+                stat.copy_(x.mean(0))
+            h = torch.sigmoid(x @ w)
+            with torch.no_grad():
+                stat.lerp_(h.mean(0), 0.3)
+            out = torch.tanh(h * (stat + 1))
+            with torch.no_grad():
+                stat.copy_(saved)
+            loss = (out * out).mean()
+            loss.backward()
+            return loss.detach()
+
+        step_fn = compile_(step_fn)
+
+        def step(i):
+            w.grad = None
+            return step_fn(_batch(i, device=device)[0])
+
+        return step, lambda: [w.grad, saved, stat]
+
+    run_against_eager(program, steps=3)
+
+
 def test_target_network_hard_update_while_training():
     """DQN-style: a compiled hard update copies the online net into the target every other
     step; a compiled AdamW step trains the online net reading the target under no_grad."""

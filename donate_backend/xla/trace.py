@@ -321,6 +321,24 @@ def dropout_as_torch(target, args: tuple, kwargs: dict):
     return decomposition(*args, **kwargs)
 
 
+def copy_into_fresh_tensor(target, args: tuple, kwargs: dict):
+    """``aten.copy(self, src)`` as ``src`` copied into a new tensor shaped like
+    ``self``, else None.
+
+    torch_xla 2.9's kernel of the functional ``aten.copy`` writes ``src`` into
+    ``self`` as well as returning it. aot_autograd's graphs use it for every
+    in-place copy of a functionalised input (``buffer.copy_(x)``), so a later
+    reader of ``self`` (a value saved for the backward, a second copy of the
+    same buffer) read the new value: a silently wrong gradient (aot_eager on
+    XLA tensors computes the same wrong value).
+    """
+    if target is not _aten.copy.default:
+        return None
+    self_, src = args[0], args[1]
+    non_blocking = _arg(args, kwargs, 2, "non_blocking", False)
+    return torch.empty_like(self_).copy_(src, non_blocking=non_blocking)
+
+
 _HOST_READ_OPS = {
     torch.ops.aten._local_scalar_dense.default: ".item() / a Python number read",
 }
@@ -498,6 +516,8 @@ class _PlaceholderTracer(torch.fx.Interpreter):
         decomposed = eval_batch_norm_backward(target, args, kwargs)
         if decomposed is None:
             decomposed = dropout_as_torch(target, args, kwargs)
+        if decomposed is None:
+            decomposed = copy_into_fresh_tensor(target, args, kwargs)
         if decomposed is not None:
             return decomposed
         args = batch_norm_backward_args(target, args)
