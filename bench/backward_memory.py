@@ -38,6 +38,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import donate_backend  # noqa: E402  (registers the backend)
 from memtrack import StorageTracker, cuda_peak_bytes, profiler_peak_bytes  # noqa: E402
@@ -150,11 +151,12 @@ def measure(variant: str, spec: dict, device: str) -> dict:
     return result
 
 
-def report_model(name: str, spec: dict, device: str) -> dict:
+def report_model(name: str, spec: dict, device: str, results: list) -> dict:
     print(f"\nmodel {name}: {describe(spec)}, fp32, {device}")
     peaks = {}
     for variant in VARIANTS:
         result = measure(variant, spec, device)
+        results.append(dict(model=name, description=describe(spec), variant=variant, **result))
         peaks[variant] = result["peak"]
         cross = f"   (storage tracker {result['tracker'] / MIB:7.1f})" if "tracker" in result else ""
         if "plan" in result:
@@ -190,6 +192,7 @@ def main() -> int:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", default=default_device, choices=("cpu", "cuda"))
     parser.add_argument("--models", default="1,2,3")
+    parser.add_argument("--json", help="write the results here instead of bench/results/")
     options = parser.parse_args()
     print(f"torch {torch.__version__}; measure: "
           + ("cuda max_memory_allocated" if options.device == "cuda" else "profiler memory events"))
@@ -197,9 +200,16 @@ def main() -> int:
     if "3" in names and importlib.util.find_spec("transformers") is None:
         print("model 3 skipped: transformers is not installed")
         names.remove("3")
-    peaks = {name: report_model(name, MODELS[name], options.device) for name in names}
+    results = []
+    peaks = {name: report_model(name, MODELS[name], options.device, results) for name in names}
     failures = check_targets(peaks)
     print("\ntargets: " + ("all met" if not failures else "; ".join(failures)))
+    from measure import torch_variant, write_results
+
+    variant = torch_variant() if options.device == "cpu" else f"cuda-{torch_variant()}"
+    write_results("backward_memory", results, repeats=1, steps=1, path=options.json, variant=variant,
+                  device=options.device, device_name=torch.cuda.get_device_name(0) if options.device == "cuda" else None,
+                  models={name: describe(MODELS[name]) for name in names}, targets_missed=failures)
     return 0
 
 

@@ -89,9 +89,9 @@ def main() -> None:
         print(json.dumps(worker(*args.worker, args.steps)))
         return
 
-    from xla_common import median, run_repeated, summarize, write_json
+    from xla_common import median, run_repeated, summarize, write_results
 
-    rows = []
+    rows, results = [], []
     for model_name in args.models.split(","):
         runs = run_repeated(
             __file__, model_name, ("openxla", "donate_xla"), args.repeats, "--steps", str(args.steps),
@@ -99,6 +99,7 @@ def main() -> None:
         )
         med = {b: {k: summarize(runs[b], k)[0] for k in ("warm_bytes", "steady_bytes", "record_bytes", "compile_s", "step_s", "loss")} for b in runs}
         rows.append(med)
+        results.append(dict(model=model_name, runs=runs))
         ours, ref = med["donate_xla"], med["openxla"]
         step_ratios = sorted(o["step_s"] / r["step_s"] for o, r in zip(runs["donate_xla"], runs["openxla"]))
         compile_ratios = sorted(
@@ -142,7 +143,8 @@ def main() -> None:
             for name in names:
                 values = [r["phases"][name] for r in runs[b] if r["phases"].get(name) is not None]
                 print(f"    {name:<34}{median(values):8.3f}  ({min(values):.3f}-{max(values):.3f})")
-    write_json(args.json, rows)
+    write_results("compile", results, repeats=args.repeats, steps=args.steps, path=args.json,
+                  warm_calls=WARM_CALLS, warm_up_runs=1)
 
 
 if __name__ == "__main__":

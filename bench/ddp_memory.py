@@ -120,6 +120,7 @@ def measure(variant: str, width: int, depth: int, batch: int, rank: int) -> dict
     return {
         "buckets": bucket_bytes,
         "step_peak": max(peaks),
+        "step_peaks": peaks,
         "dispatch_peak": max(dispatch_peaks) if dispatch_peaks else None,
         "slot_writes": aliased,
     }
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="run only variants whose name contains this")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--json", help="write the results here instead of bench/results/")
     args = parser.parse_args(argv)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     results = mp.get_context("spawn").Queue()
@@ -200,6 +202,11 @@ def main(argv=None) -> int:
                 process.terminate()
     print("DDP gradient buckets: 2 gloo ranks, CPU, rank 0, steady-state step (MiB)")
     print(format_table(rows))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from measure import torch_variant, write_results
+
+    write_results("ddp_memory", rows, repeats=1, steps=MEASURED_STEPS, path=args.json, variant=torch_variant(),
+                  world_size=WORLD_SIZE, warmup_steps=WARMUP_STEPS, models=MODELS)
     return 0
 
 

@@ -76,7 +76,8 @@ def heavy(backend: str) -> dict:
         dones.append(time.perf_counter() - start)
     from xla_common import median
 
-    return dict(return_s=median(returns), done_s=median(dones), fraction=median(r / d for r, d in zip(returns, dones)))
+    return dict(return_s=median(returns), done_s=median(dones), fraction=median(r / d for r, d in zip(returns, dones)),
+                returns=returns, dones=dones)
 
 
 def tiny(backend: str) -> dict:
@@ -99,7 +100,7 @@ def tiny(backend: str) -> dict:
         xm.wait_device_ops()
     from xla_common import median
 
-    return dict(host_s_per_call=median(windows))
+    return dict(host_s_per_call=median(windows), windows=windows)
 
 
 def micro(backend: str) -> dict:
@@ -142,7 +143,7 @@ def micro(backend: str) -> dict:
         times.append(time.perf_counter() - start)
     from xla_common import median
 
-    return dict(step_s=median(times))
+    return dict(step_s=median(times), step_times=times)
 
 
 KINDS = {"heavy": heavy, "tiny": tiny, "micro": micro}
@@ -154,14 +155,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "BACKEND"), help="internal: one run")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--json", help="write the results here instead of bench/results/")
     args = parser.parse_args()
     if args.worker:
         kind, backend = args.worker
         print(json.dumps(KINDS[kind](backend)))
         return
 
-    from xla_common import run_worker, summarize, write_json
+    from xla_common import run_worker, summarize, write_results
 
     runs = {(k, b): [] for k in KINDS for b in BACKENDS}
     for _ in range(args.repeats):
@@ -184,7 +185,10 @@ def main() -> None:
             ratio = summary[f"{kind}_donate_xla"]["median"] / summary[f"{kind}_openxla"]["median"]
             summary[f"{kind}_ratio"] = ratio
             print(f"{kind:6} ratio donate_xla / openxla: {ratio:.2f}")
-    write_json(args.json, summary)
+    write_results("dispatch", [dict(kind=k, backend=b, runs=r) for (k, b), r in runs.items()],
+                  repeats=args.repeats, steps=None, path=args.json,
+                  per_process=dict(heavy_steps=HEAVY_STEPS, tiny_calls=TINY_CALLS, tiny_windows=TINY_WINDOWS,
+                                   micro_steps=MICRO_STEPS, micro_batches=MICRO_BATCHES))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ The floor is what a step must hold at its peak however it is compiled: the
 gradients plus the activations saved for backward, measured as the bytes of
 donate_xla's backward inputs that are neither parameters nor incoming
 gradients (openxla's default partitioner saves more: transposed weights too).
-Writes docs/donation_rss.png (RSS over the steps). Run: `make bench`.
+Writes every run (its RSS trace included) to bench/results/donation.json; bench/render.py
+draws docs/donation_rss.png from it. Run: `make bench`.
 """
 from __future__ import annotations
 
@@ -78,7 +79,6 @@ VARIANTS = {
 }
 ALLOCATORS = {"glibc": {}, "live": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 FIGURE = {"glibc": "peak_growth", "live": "transient"}  # the growth each setting reports
-DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
 
 
 def saved_activation_bytes(backward_gm) -> int:
@@ -200,41 +200,22 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
     reused = sum(p in before_ptrs for p in after_ptrs)
     own = sum(a == b for a, b in zip(before, after_ptrs))
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    backwards = [r for r in donate_backend.reports() if r.path == "xla" and r.kind == "backward"]
     return dict(
         model=model_name,
         backend=backend,
+        backward_segments=max((r.backward_segments for r in backwards), default=0),
         peak_growth=sampler.peak - rss_before,
         transient=sampler.peak - sampler.trough,
         state_buffers=len(state),
         reused=reused,
         own=own,
         step_s=median(times),
+        step_times=times,
         grad_bytes=grad_bytes,
         saved_bytes=saved_activations_of_compiled_backwards() if backend.startswith("donate_xla") else None,
         rss=[(t, r - sampler.trough) for t, r in sampler.samples[::4]],
     )
-
-
-def plot(rows: list, path: str) -> None:
-    """One panel per (model, allocator setting): RSS above the trough over the steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(rows), len(ALLOCATORS), figsize=(6 * len(ALLOCATORS), 4 * len(rows)), squeeze=False)
-    for ax_row, (model_name, floor, runs_by_allocator) in zip(axes, rows):
-        for ax, allocator in zip(ax_row, ALLOCATORS):
-            for backend, runs in runs_by_allocator[allocator].items():
-                r = runs[0]
-                ax.plot([t for t, _ in r["rss"]], [m / 2**20 for _, m in r["rss"]], label=backend)
-            ax.axhline(floor / 2**20, color="gray", linestyle="--", label="floor (grads + saved activations)")
-            ax.set_title(f"{model_name}, {allocator} allocator")
-            ax.set_xlabel("seconds into the measured steps")
-            ax.set_ylabel("RSS above the least RSS of the run (MiB)")
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 def print_table(model_name: str, runs_by_allocator: dict, floor: int, summary: list) -> None:
@@ -269,7 +250,6 @@ def main() -> None:
     from xla_common import bench_arguments
 
     parser = bench_arguments(__doc__.splitlines()[0])
-    parser.add_argument("--plot", default=os.path.join(DOCS, "donation_rss.png"))
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset of the rows")
     parser.set_defaults(repeats=3)
     args = parser.parse_args()
@@ -277,7 +257,7 @@ def main() -> None:
         print(json.dumps(worker(*args.worker, args.steps)))
         return
 
-    from xla_common import run_repeated, write_json
+    from xla_common import run_repeated, write_results
 
     mib = lambda b: b / 2**20  # noqa: E731
     backends = [b for b in args.backends.split(",") if b]
@@ -289,7 +269,7 @@ def main() -> None:
         print("JAX rows skipped: no JAX environment (`make bench` creates .venv-jax from "
               "requirements-jax.txt; DONATE_XLA_JAX_PYTHON names another interpreter)")
         backends = [b for b in backends if b not in JAX_ROWS]
-    rows, summary = [], []
+    rows, summary, results = [], [], []
     for model_name in args.models.split(","):
         rows_here = [b for b in backends if b not in JAX_ROWS or model_name == JAX_MODEL]
         runs_by_allocator = {
@@ -303,10 +283,13 @@ def main() -> None:
               f"{mib(floor):.0f} MiB (grads {mib(first['grad_bytes']):.0f} + saved activations "
               f"{mib(first['saved_bytes']):.0f})")
         print_table(model_name, runs_by_allocator, floor, summary)
-    if args.plot:
-        plot(rows, args.plot)
-        print(f"\nplot: {args.plot}")
-    write_json(args.json, summary)
+        results.append(dict(model=model_name, floor=floor, grad_bytes=first["grad_bytes"],
+                            saved_bytes=first["saved_bytes"], runs=runs_by_allocator))
+    jax_versions = {r["jax"] for m in results for runs in m["runs"].values() for b in JAX_ROWS
+                    for r in runs.get(b, [])}
+    write_results("donation", results, repeats=args.repeats, steps=args.steps, path=args.json,
+                  more_versions={"jax": sorted(jax_versions)[0]} if jax_versions else None,
+                  backends=backends, allocators=ALLOCATORS, variants=VARIANTS)
 
 
 if __name__ == "__main__":

@@ -145,6 +145,7 @@ def main() -> None:
         reused=len(set(before) & set(after)),
         own=sum(a == b for a, b in zip(before, after)),
         step_s=median(times),
+        step_times=times,
         first_step_s=first_step_s,
         rss=[(t, r - sampler.trough) for t, r in sampler.samples[::4]],
         jax=jax.__version__,

@@ -94,7 +94,7 @@ def worker(model_name: str, variant: str, device: str, steps: int) -> dict:
         peak = profiler_peak_bytes(train_step)
         fwd_bwd = profiler_peak_bytes(lambda: step(model, run, x))
         optimizer.zero_grad(set_to_none=True)
-    return dict(step_s=statistics.median(times), peak=peak, fwd_bwd=fwd_bwd, predicted=predicted)
+    return dict(step_s=statistics.median(times), step_times=times, peak=peak, fwd_bwd=fwd_bwd, predicted=predicted)
 
 
 def run_fresh(model_name: str, variant: str, device: str, steps: int) -> dict:
@@ -119,7 +119,7 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--json", default=None, help="write every sample here")
+    parser.add_argument("--json", default=None, help="write the results here instead of bench/results/")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.device is None:
@@ -171,10 +171,15 @@ def main() -> int:
                 ratio = f"time {statistics.median(t) / (base_t * 1e3):.2f}x, peak {statistics.median(p) / (base_p / MIB):.2f}x"
             plan = f"{statistics.median(pred):9.1f}" if pred else f"{'':>9}"
             print(f"  {variant:<20} {spread(t):>26} {spread(p):>26} {f:12.1f} {plan}  {ratio}")
-    if options.json:
-        with open(options.json, "w") as out:
-            json.dump(dict(machine=machine, repeats=options.repeats, steps=options.steps,
-                           samples=[dict(model=m, variant=v, runs=r) for (m, v), r in samples.items()]), out, indent=1)
+    sys.path.insert(0, HERE)
+    from backward_memory import describe
+    from measure import write_results
+
+    write_results("native_speed", [dict(model=m, variant=v, runs=r) for (m, v), r in samples.items()],
+                  repeats=options.repeats, steps=options.steps, path=options.json,
+                  variant=None if options.device == "cpu" else "cuda", device=options.device,
+                  device_name=machine["name"] if options.device == "cuda" else None, warm_up_steps=3,
+                  models={m: describe(MODELS[m]) for m in models})
     failed = any("error" in s for runs in samples.values() for s in runs)
     return 1 if failed else 0
 

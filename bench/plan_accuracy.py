@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 
@@ -140,9 +139,11 @@ def main() -> int:
     if rows:
         worst = max(rows, key=lambda r: abs(r["error"]))
         print(f"largest error: {worst['model']} [{worst['executor']}] {worst['error']:+.1%}")
-    if options.json:
-        with open(options.json, "w") as f:
-            json.dump(dict(torch=torch.__version__, device=options.device, rows=rows), f, indent=1)
+    from measure import torch_variant, write_results
+
+    variant = torch_variant() if options.device == "cpu" else f"cuda-{torch_variant()}"
+    write_results("plan_accuracy", rows, repeats=1, steps=1, path=options.json, variant=variant,
+                  device=options.device, device_name=torch.cuda.get_device_name(0) if options.device == "cuda" else None)
     return 0
 
 

@@ -26,7 +26,8 @@ Two layouts (`--layout`, both by default):
     recipes do) and XLA's memory-minimising CPU scheduler for every backend
     (XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false); donate_xla
     also runs with DONATE_XLA_ACTIVATION_BUDGET=0.1 ("donate_xla budget 0.1").
-Writes docs/spmd_rss.png and docs/spmd_act_rss.png (first repeat). Run: `make bench`.
+Writes every run (RSS traces included) to bench/results/spmd.json; bench/render.py draws
+docs/spmd_rss.png and docs/spmd_act_rss.png from it (first repeat). Run: `make bench`.
 """
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 ENV = {"CPU_NUM_DEVICES": "4", "MALLOC_MMAP_THRESHOLD_": "65536"}
 MEMORY_SCHEDULER = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
-PLOTS = {"fsdp": "spmd_rss.png", "fsdp-act": "spmd_act_rss.png"}
 # layout -> {row name: (backend, extra environment)}
 LAYOUTS = {
     "fsdp": {
@@ -54,7 +54,6 @@ LAYOUTS = {
         "eager": ("eager", MEMORY_SCHEDULER),
     },
 }
-DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
 
 
 def worker(backend: str, layout: str, steps: int) -> dict:
@@ -130,27 +129,10 @@ def worker(backend: str, layout: str, steps: int) -> dict:
         state_buffers=len(state),
         first_call_s=first_call_s,
         step_s=median(times),
+        step_times=times,
         loss=float(run(x, y).item()),
         rss=[(t, r - sampler.trough) for t, r in sampler.samples[::4]],
     )
-
-
-def plot(runs: dict, layout: str, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for row, row_runs in runs.items():
-        r = row_runs[0]
-        ax.plot([t for t, _ in r["rss"]], [m / 2**20 for _, m in r["rss"]], label=row)
-    ax.set_title(f"GPT 6x512 on 4 CPU devices, layout {layout} (live bytes)")
-    ax.set_xlabel("seconds into the measured steps")
-    ax.set_ylabel("RSS above the least RSS of the run (MiB)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 def report(layout: str, runs: dict, steps: int, repeats: int) -> list:
@@ -187,16 +169,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layout", choices=sorted(LAYOUTS), action="append", help="default: both")
     parser.add_argument("--worker", nargs=2, metavar=("BACKEND", "LAYOUT"), help="internal: one run")
-    parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--plot-dir", default=DOCS, help="where the plots go; '' for none")
+    parser.add_argument("--json", help="write the results here instead of bench/results/")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker, args.steps)))
         return
 
-    from xla_common import run_worker, write_json
+    from xla_common import run_worker, write_results
 
-    summary = []
+    summary, results = [], []
     for layout in args.layout or list(LAYOUTS):
         rows = LAYOUTS[layout]
         runs = {row: [] for row in rows}
@@ -206,11 +187,8 @@ def main() -> None:
                     __file__, "--worker", backend, layout, "--steps", str(args.steps), env={**ENV, **env}
                 ))
         summary += report(layout, runs, args.steps, args.repeats)
-        if args.plot_dir:
-            path = os.path.join(args.plot_dir, PLOTS[layout])
-            plot(runs, layout, path)
-            print(f"\nplot: {path}")
-    write_json(args.json, summary)
+        results.append(dict(layout=layout, runs=runs, env={row: {**ENV, **env} for row, (_, env) in rows.items()}))
+    write_results("spmd", results, repeats=args.repeats, steps=args.steps, path=args.json)
 
 
 if __name__ == "__main__":

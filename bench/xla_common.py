@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from measure import RssSampler, current_rss, median  # noqa: F401  (the benchmarks import them from here)
+from measure import RssSampler, current_rss, median, write_results  # noqa: F401  (the benchmarks import them from here)
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
@@ -172,11 +172,5 @@ def bench_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BACKEND"), help="internal: one run")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--json", help="write the results here instead of bench/results/")
     return parser
-
-
-def write_json(path, data) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=1)

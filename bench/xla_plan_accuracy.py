@@ -164,9 +164,9 @@ def main() -> int:
         worst = max(rows, key=lambda r: abs(r["peak_error"]))
         print(f"largest peak error: {worst['model']} [{worst['setting']}] {worst['peak_error']:+.1%}; largest growth "
               f"error: {max(abs(r['growth_error']) for r in rows):.1%}")
-    if options.json:
-        with open(options.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    from measure import write_results
+
+    write_results("xla_plan_accuracy", rows, repeats=1, steps=4, path=options.json, settings=SETTINGS)
     return 0
 
 
