@@ -15,7 +15,7 @@ NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_STAMP := $(NEWEST_VENV)/.installed
 export PJRT_DEVICE ?= CPU
 
-.PHONY: demo test test-xla test-newest test-slow bench fuzz fuzz-native fuzz-mesh peer-tests clean
+.PHONY: demo test test-xla test-newest test-slow bench bench-docs fuzz fuzz-native fuzz-mesh peer-tests clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -124,15 +124,28 @@ $(JAX_STAMP): requirements-jax.txt
 	$(JAX_VENV)/bin/python -m pip install --quiet -r requirements-jax.txt
 	touch $(JAX_STAMP)
 
+# Every benchmark writes its samples, machine and versions to bench/results/<name>.json (the
+# torch release in the name where a script runs under both); bench/render.py then renders
+# docs/benchmarks.md, README.md's headline table and the plots from those files alone.
+# One at a time, each in fresh processes: two at once on 2 cores would measure each other.
 bench: $(STAMP) $(NEWEST_STAMP) $(JAX_STAMP)
 	$(PY) bench/compile.py
 	$(PY) bench/donation.py
 	$(PY) bench/dispatch.py
 	$(PY) bench/spmd.py
+	$(PY) bench/xla_plan_accuracy.py
+	$(PY) bench/native_speed.py
 	$(PY) bench/backward_memory.py
 	$(PY) bench/ddp_memory.py
+	$(PY) bench/plan_accuracy.py
 	$(NEWEST_PY) bench/backward_memory.py
 	$(NEWEST_PY) bench/ddp_memory.py
+	$(NEWEST_PY) bench/plan_accuracy.py
+	$(MAKE) --no-print-directory bench-docs
+
+# Renders only (no measuring): docs/benchmarks.md, README.md's headline region, docs/*_rss.png.
+bench-docs: $(STAMP)
+	$(PY) bench/render.py
 
 # torch_xla's own dynamo tests (v2.9.0) under openxla and under donate_xla, compared; not part of
 # `make test`. Needs a pytorch/xla git checkout or snapshot (PEER_XLA_SRC) and torchvision 0.24.
