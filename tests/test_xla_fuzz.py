@@ -194,6 +194,40 @@ def test_an_error_is_upstream_only_if_eager_torch_xla_raises_the_same(monkeypatc
     assert outcome.status == ("upstream" if eager_error == "same" else "failed"), outcome.detail
 
 
+@pytest.mark.parametrize("slot, copied", [("K[2]", True), ("K[1]", False), ("K[2]", False)])
+def test_an_upload_lost_to_torch_xlas_sync_after_a_data_copy_is_upstream(slot, copied):
+    """Reading an upload ``u`` after eager ``t.data.copy_(u)`` fails in plain torch_xla
+    (the next test); only that read of only that upload is excused."""
+    scenario = xla_fuzz.generate(10_000)
+    between = "t = S.W1\nif t is not None:\n    K[2] = upload_like(t, 0.3)\n"
+    between += "    t.data.copy_(K[2])\n" if copied else "    t.copy_(K[2])\n"
+    scenario = xla_fuzz.dataclasses.replace(scenario, between={0: between})
+    error = RuntimeError(f"reading {slot}: Check failed: handle->HasValue(): Trying to access XLA data for "
+                         "tensor with ID 212 while an async operation is in flight: UNKNOWN_SCALAR[]")
+    assert xla_fuzz._lost_to_a_data_copy(scenario, error) == (copied and slot == "K[2]")
+    assert not xla_fuzz._lost_to_a_data_copy(scenario, RuntimeError("reading K[2]: values differ"))
+
+
+@pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
+def test_plain_torch_xla_donates_the_buffer_a_data_copy_shares():
+    """What the fuzzer excuses, without torch.compile: after ``t.data.copy_(u)`` and a
+    read, ``t`` and ``u`` hold one buffer; an in-place update of ``t`` and a sync
+    donate it, and ``u`` can no longer be read (docs/xla.md)."""
+    import torch
+    import torch_xla
+
+    device = torch_xla.device()
+    t = torch.randn(6, 6).to(device)
+    torch_xla.sync()
+    u = torch.full((6, 6), 0.3).to(device)
+    t.data.copy_(u)
+    assert torch.equal(t.cpu(), u.cpu())
+    t.mul_(0.99)
+    torch_xla.sync()
+    with pytest.raises(RuntimeError, match="async operation is in flight"):
+        u.cpu()
+
+
 @pytest.mark.parametrize("gone_in_float64", [True, False])
 def test_a_float32_deviation_is_numerics_only_if_float64_removes_it(monkeypatch, gone_in_float64):
     """The float64 rerun excuses a difference only when donate_xla then equals eager CPU."""

@@ -735,6 +735,12 @@ def check(seed: int, path: str = "xla") -> Outcome:
     if same_error(device_eager.error, got.error):
         # e.g. torch_xla's own sync() donating a buffer a clone still reads (docs/xla.md)
         return Outcome(seed, "upstream", f"eager torch_xla raises the same: {problem}", scenario.source())
+    if _lost_to_a_data_copy(scenario, got.error):
+        return Outcome(
+            seed, "upstream",
+            f"torch_xla's sync donated the buffer that t.data.copy_(u) shares with u (docs/xla.md): {problem}",
+            scenario.source(),
+        )
     # XLA's own arithmetic (e.g. gelu of large negatives is -3e-4 where the CPU gives 0):
     # donate_xla equal to eager torch_xla to float precision is not donate_xla's doing.
     # Except with BatchNorm, where eager torch_xla itself is wrong (biased running
@@ -785,6 +791,21 @@ def _check_on_cuda(scenario: Scenario) -> Outcome:
             return Outcome(seed, "upstream", f"{backend} on CUDA: {deviation}; donate_xla: {problem}",
                            scenario.source())
     return Outcome(seed, "failed", problem, scenario.source())
+
+
+def _lost_to_a_data_copy(scenario: Scenario, error: Optional[BaseException]) -> bool:
+    """Whether ``error`` is reading an upload ``u`` that eager code copied into a tensor
+    with ``t.data.copy_(u)``: once a read has synced ``t``, both hold one buffer, and
+    the sync after an in-place update of ``t`` donates it (plain torch_xla, no
+    compiled call needed; docs/xla.md). Eager torch_xla can escape it by chance: a
+    read of ``t`` inside the function gives ``t`` an IR node first."""
+    if error is None or "while an async operation is in flight" not in str(error):
+        return False
+    match = re.match(r"reading (K\[\d+\]):", str(error))
+    if match is None:
+        return False
+    copied = f"t.data.copy_({match.group(1)})"
+    return any(copied in source for source in scenario.between.values())
 
 
 def same_error(a: Optional[BaseException], b: Optional[BaseException]) -> bool:
