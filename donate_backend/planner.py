@@ -277,7 +277,9 @@ def memory_plan(
         level = start + m.end_bytes
         passed += m.passed_grad_bytes
         planned.append(PlannedGraph(r.name, start, graph_peak, level, tuple(at_peak.items())))
-    unplanned = [r.name for r in records if r.path == path and r.memory is None and r.device != "cpu"]
+    # (a backward split into segments is planned through its segments' records)
+    unplanned = [r.name for r in records
+                 if r.path == path and r.memory is None and r.device != "cpu" and not r.backward_segments]
     notes = [f"{name}: no prediction (its replay failed; DONATE_XLA_DEBUG=1 logs why), not counted"
              for name in unplanned]
     if path == "xla":

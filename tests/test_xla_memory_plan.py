@@ -33,7 +33,7 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def test_the_plan_of_an_xla_step_counts_state_once_and_only_the_lastsquared_mean_step(xla_device, tmp_path):
+def test_the_plan_of_an_xla_step_counts_state_once_and_only_the_last_step(xla_device, tmp_path):
     """SGD with momentum compiles a first-step graph (it makes the momentum buffers)
     that later steps never run: the plan of the steady step leaves it out. Parameters
     read by the forward, the backward and the optimizer count once; at the peak (the
@@ -67,6 +67,28 @@ def test_the_plan_of_an_xla_step_counts_state_once_and_only_the_lastsquared_mean
 
     image = matplotlib.image.imread(plan.plot(str(tmp_path / "plan.png")))
     assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_a_matmul_fused_into_a_returned_value_is_not_held_to_the_end():
+    """A forward's saved ``a = relu(x @ w1)``, which no matmul reads (``a * 2`` is fused
+    into the next matmul's operand), is computed where it stands, so ``x @ w1`` dies
+    there: the temporaries peak at the second matmul with its operand ``a * 2`` and its
+    result, and ``x @ w1`` is not among them (it was, held to the graph's end)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from donate_backend.xla import memory
+
+    def forward(x, w1, w2, w3):
+        a = torch.relu(x @ w1)
+        b = torch.relu((a * 2) @ w2)
+        return (b @ w3).sum(), a, b  # a and b: saved for the backward
+
+    args = [torch.randn(256, 256) for _ in range(4)]
+    graph = make_fx(forward, tracing_mode="fake")(*args).graph
+    predicted = memory.predict(graph, "forward", "forward", forward_returns=1)
+    one = 256 * 256 * 4
+    assert dict(predicted.peak_parts)["activations"] == 2 * one
+    assert dict(predicted.peak_parts)["temporaries"] == 2 * one
 
 
 def _train(model, step, x, steps=5):
@@ -132,3 +154,23 @@ def test_a_plan_over_graphs_of_both_paths_is_refused_with_what_to_pass(xla_devic
     assert "records=[r for r in donate_backend.reports() if r.path == 'xla']" in str(info.value)
     xla_only = [r for r in donate_backend.reports() if r.path == "xla"]
     assert donate_backend.memory_plan(records=xla_only).path == "xla"
+
+
+def test_a_backward_in_segments_is_planned_through_its_segments(xla_device):
+    """The split backward's own record has no prediction (its segments have one each):
+    the plan counts the segments and notes nothing missing."""
+    from donate_backend import config
+
+    model = _layers(depth=4).to(xla_device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(512, 256).to(xla_device)
+    with config.patch(backward_segments=2):
+        step = torch.compile(squared_mean_step(model, opt), backend="donate_xla")
+        for _ in range(2):
+            step(x)
+            torch_xla.sync()
+    split = [r for r in donate_backend.reports() if r.backward_segments]
+    assert split and split[0].memory is None
+    plan = donate_backend.memory_plan()
+    assert len([g for g in plan.graphs if "backward" in g.name]) == split[0].backward_segments
+    assert not [note for note in plan.notes if "no prediction" in note], plan.notes

@@ -13,7 +13,9 @@ results never exist on their own. The model here: a node's result is
 materialised when it is not elementwise or a view, when the graph returns
 it, or when a dot or convolution reads it (XLA does not fuse into those).
 A materialised value lives until the last materialised node that reads it,
-directly or through fused ones. The temporaries block is the most bytes of
+directly or through fused ones; a returned value, and a new value written into
+an input, are materialised readers too (their buffer is computed where they
+stand, not at the end of the graph). The temporaries block is the most bytes of
 such values live at any node, in graph order.
 
 After the executable: its outputs are live (a forward's to the caller and
@@ -24,8 +26,8 @@ returns); an overwritten input keeps its size (its new value replaces it).
 What the model cannot see: XLA's scheduler may order the work differently
 (its default CPU scheduler favours concurrency over memory, so the
 temporaries block can be larger), and fusion decisions beyond the rule
-above. ``bench/plan_accuracy.py --path xla`` gives the error against
-measured live bytes.
+above. ``bench/xla_plan_accuracy.py`` gives the error against measured
+live bytes.
 """
 from __future__ import annotations
 
@@ -153,6 +155,9 @@ def predict(
         base = _view_base(value)
         if base is not value:
             returned.add(base)
+    # A returned value or a new value written into an input has a buffer of its own,
+    # computed where it stands: it is a materialised reader, however fusible its op.
+    computed = materialised | {n for n in returned | set(written) if n.op == "call_function"}
     readers: Dict[torch.fx.Node, int] = {}  # node -> index of its last materialised reader
 
     def last_reader(node: torch.fx.Node) -> int:
@@ -160,7 +165,7 @@ def predict(
             return readers[node]
         last = order[node]
         for user in node.users:
-            if user.op == "output" or user in materialised:
+            if user.op == "output" or user in computed:
                 last = max(last, order[user])
             else:
                 last = max(last, last_reader(user))
