@@ -41,7 +41,8 @@ runs a subset.
 The floor is what a step must hold at its peak however it is compiled: the
 gradients plus the activations saved for backward, measured as the bytes of
 donate_xla's backward inputs that are neither parameters nor incoming
-gradients (openxla's default partitioner saves more: transposed weights too).
+gradients (openxla's default partitioner saves more: transposed weights too), in
+a run whose backward is one executable (``floor_bytes``).
 Writes every run (its RSS trace included) to bench/results/donation.json; bench/render.py
 draws docs/donation_rss.png from it. Run: `make bench`.
 """
@@ -218,6 +219,18 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
     )
 
 
+def floor_bytes(live_runs: dict):
+    """Gradient bytes plus the activations saved for the backward, from the first run of the
+    rows that save every activation in one backward (donate_xla, donate_xla_stitch; not one
+    split into segments, whose inputs include the values passed between segments); None when
+    no such row ran."""
+    for backend in ("donate_xla", "donate_xla_stitch"):
+        for run in live_runs.get(backend, []):
+            if not run.get("backward_segments") and run.get("saved_bytes") is not None:
+                return run["grad_bytes"] + run["saved_bytes"], run["grad_bytes"], run["saved_bytes"]
+    return None
+
+
 def print_table(model_name: str, runs_by_allocator: dict, floor: int, summary: list) -> None:
     from xla_common import summarize
 
@@ -269,22 +282,18 @@ def main() -> None:
         print("JAX rows skipped: no JAX environment (`make bench` creates .venv-jax from "
               "requirements-jax.txt; DONATE_XLA_JAX_PYTHON names another interpreter)")
         backends = [b for b in backends if b not in JAX_ROWS]
-    rows, summary, results = [], [], []
+    summary, results = [], []
     for model_name in args.models.split(","):
         rows_here = [b for b in backends if b not in JAX_ROWS or model_name == JAX_MODEL]
         runs_by_allocator = {
             allocator: run_repeated(__file__, model_name, rows_here, args.repeats, "--steps", str(args.steps), env=env)
             for allocator, env in ALLOCATORS.items()
         }
-        first = runs_by_allocator["live"]["donate_xla"][0]
-        floor = first["grad_bytes"] + first["saved_bytes"]
-        rows.append((model_name, floor, runs_by_allocator))
+        floor, grad_bytes, saved_bytes = floor_bytes(runs_by_allocator["live"]) or (float("nan"),) * 3
         print(f"\n== {model_name}: {args.steps} steps x {args.repeats} repeats (medians, [min-max]); floor "
-              f"{mib(floor):.0f} MiB (grads {mib(first['grad_bytes']):.0f} + saved activations "
-              f"{mib(first['saved_bytes']):.0f})")
+              f"{mib(floor):.0f} MiB (grads {mib(grad_bytes):.0f} + saved activations {mib(saved_bytes):.0f})")
         print_table(model_name, runs_by_allocator, floor, summary)
-        results.append(dict(model=model_name, floor=floor, grad_bytes=first["grad_bytes"],
-                            saved_bytes=first["saved_bytes"], runs=runs_by_allocator))
+        results.append(dict(model=model_name, runs=runs_by_allocator))  # the floor: floor_bytes(runs)
     jax_versions = {r["jax"] for m in results for runs in m["runs"].values() for b in JAX_ROWS
                     for r in runs.get(b, [])}
     write_results("donation", results, repeats=args.repeats, steps=args.steps, path=args.json,

@@ -446,6 +446,17 @@ def _donation(results, model):
     raise ResultsError(f"{results.path('donation')}: no model {model} in the results; run bench/donation.py again")
 
 
+def donation_floor(results, entry) -> tuple:
+    """(floor, gradient bytes, saved-activation bytes) of one model, from its runs."""
+    from donation import floor_bytes
+
+    floor = floor_bytes(entry["runs"]["live"])
+    if floor is None:
+        raise ResultsError(f"{results.path('donation')}: {entry['model']} has no donate_xla run with its backward "
+                           f"in one executable (the floor); run bench/donation.py with donate_xla or donate_xla_stitch")
+    return floor
+
+
 def donation_figures(results, model, backend) -> dict:
     entry = _donation(results, model)
     live, glibc = entry["runs"]["live"][backend], entry["runs"]["glibc"][backend]
@@ -458,7 +469,8 @@ def donation_figures(results, model, backend) -> dict:
 def _donation_tables(results):
     parts = []
     for entry in results.get("donation", "results"):
-        model, floor = entry["model"], entry["floor"]
+        model = entry["model"]
+        floor, grad_bytes, saved_bytes = donation_floor(results, entry)
         backends = list(entry["runs"]["live"])
         ref = donation_figures(results, model, "openxla")
         lazy = donation_figures(results, model, "lazy") if "lazy" in backends else None
@@ -473,8 +485,8 @@ def _donation_tables(results):
                          f"{f['own']:.0f}/{f['state']}", spread(f["step"], seconds),
                          ratio(med(f["step"]), med(ref["step"])),
                          ratio(med(f["step"]), med(lazy["step"])) if lazy else ""])
-        parts.append(f"**{XLA_MODELS[model]}** (floor {mib(floor)} MiB: gradients {mib(entry['grad_bytes'])}, "
-                     f"saved activations {mib(entry['saved_bytes'])})")
+        parts.append(f"**{XLA_MODELS[model]}** (floor {mib(floor)} MiB: gradients {mib(grad_bytes)}, "
+                     f"saved activations {mib(saved_bytes)})")
         parts.append(table(["row", "live growth", "× openxla", "× floor", "glibc growth", "own", "step s",
                             "× openxla", "× lazy"], rows))
     data = results("donation")
@@ -506,14 +518,12 @@ for _model, _short in (("gpt6x512_adamw", "gpt"), ("mlp50m_sgd", "mlp")):
                     _donation_ratio(_model, _backend, _other, _key))
 
 
-@field("donation.gpt.floor")
-def _gpt_floor(results):
-    return mib(_donation(results, "gpt6x512_adamw")["floor"])
+def _floor(results, model):
+    return mib(donation_floor(results, _donation(results, model))[0])
 
 
-@field("donation.mlp.floor")
-def _mlp_floor(results):
-    return mib(_donation(results, "mlp50m_sgd")["floor"])
+bind("donation.gpt.floor", _floor, "gpt6x512_adamw")
+bind("donation.mlp.floor", _floor, "mlp50m_sgd")
 
 
 @field("donation.jax_version")
@@ -721,7 +731,8 @@ def draw_plots(results: Results, docs: str = DOCS) -> list:
     for ax_row, entry in zip(axes, entries):
         for ax, allocator in zip(ax_row, allocators):
             runs = {DONATION_ROWS.get(b, b).replace("*", ""): rs[0] for b, rs in entry["runs"][allocator].items()}
-            _trace_axes(ax, runs, f"{XLA_MODELS[entry['model']]}, {allocator} allocator", entry["floor"])
+            _trace_axes(ax, runs, f"{XLA_MODELS[entry['model']]}, {allocator} allocator",
+                        donation_floor(results, entry)[0])
     fig.tight_layout()
     written.append(os.path.join(docs, "donation_rss.png"))
     fig.savefig(written[-1], dpi=100)
@@ -730,7 +741,7 @@ def draw_plots(results: Results, docs: str = DOCS) -> list:
     entry = _donation(results, "gpt6x512_adamw")
     fig, ax = plt.subplots(figsize=(8, 4.5))
     runs = {DONATION_ROWS.get(b, b).replace("*", ""): rs[0] for b, rs in entry["runs"]["live"].items()}
-    _trace_axes(ax, runs, f"{XLA_MODELS['gpt6x512_adamw']}, live bytes", entry["floor"])
+    _trace_axes(ax, runs, f"{XLA_MODELS['gpt6x512_adamw']}, live bytes", donation_floor(results, entry)[0])
     fig.tight_layout()
     written.append(os.path.join(docs, "donation_gpt_rss.png"))
     fig.savefig(written[-1], dpi=100)
