@@ -216,7 +216,8 @@ def memory_plan(
         )
     path = paths[0]
     native = _last_step(native)
-    seen: set = set()
+    # a tensor an earlier graph of the step returned is that graph's output, not resident
+    seen: set = set().union(*(r.returned for r in native))
     resident: Dict[str, int] = {c: 0 for c in CATEGORIES}
     for r in native:
         for role, storage, nbytes in r.held_inputs:

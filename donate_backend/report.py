@@ -75,6 +75,8 @@ class GraphRecord:
     # steps as ``(role, storage, nbytes)``, and when the graph first ran among all graphs.
     memory: Any = dataclasses.field(default=None, repr=False, compare=False)
     held_inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    # the identities (as in ``held_inputs``) of the tensors its first call returned
+    returned: frozenset = dataclasses.field(default=frozenset(), repr=False, compare=False)
     first_call: Optional[int] = None
     last_call: Optional[int] = None  # when it last ran: graphs of a first step only (state made) drop out of the plan
     tangent_bytes: Optional[int] = None  # native backward: bytes of the tangents its first call got

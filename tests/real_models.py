@@ -14,9 +14,10 @@ the scalar to differentiate.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -26,11 +27,25 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 VOCAB = 96
 SEQ = 16
 BATCH = 2
+WIDTH = 32  # the HF models' hidden size (their feed-forward is twice as wide); ViT's too
 
 
-def _tokens(seed: int, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
+@contextlib.contextmanager
+def sized(width: int, vocab: int, seq: int, batch: int):
+    """Build and batch the models at another size inside the block (the memory
+    benchmarks measure them at sizes whose buffers RSS can see)."""
+    global WIDTH, VOCAB, SEQ, BATCH
+    saved = WIDTH, VOCAB, SEQ, BATCH
+    WIDTH, VOCAB, SEQ, BATCH = width, vocab, seq, batch
+    try:
+        yield
+    finally:
+        WIDTH, VOCAB, SEQ, BATCH = saved
+
+
+def _tokens(seed: int, batch: Optional[int] = None, seq: Optional[int] = None) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (batch, seq), generator=gen)
+    return torch.randint(0, VOCAB, (batch or BATCH, seq or SEQ), generator=gen)
 
 
 def _images(seed: int, batch: int = 4) -> dict:
@@ -61,7 +76,7 @@ def gpt2():
     import transformers
 
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=2, n_head=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(config)
@@ -71,8 +86,8 @@ def bert():
     import transformers
 
     config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=SEQ,
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=2 * WIDTH, max_position_embeddings=SEQ,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )
     return transformers.BertForMaskedLM(config)
@@ -82,7 +97,7 @@ def llama():
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
         attention_dropout=0.0,
     )
@@ -95,7 +110,7 @@ def mixtral():
     import transformers
 
     config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
         max_position_embeddings=SEQ, attention_dropout=0.0, router_jitter_noise=0.0,
     )
@@ -106,7 +121,7 @@ def t5():
     import transformers
 
     config = transformers.T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        vocab_size=VOCAB, d_model=WIDTH, d_kv=WIDTH // 4, d_ff=2 * WIDTH, num_layers=2, num_heads=4,
         dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
     )
     return transformers.T5ForConditionalGeneration(config)
@@ -118,8 +133,8 @@ def bart():
     import transformers
 
     config = transformers.BartConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
-        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        vocab_size=VOCAB, d_model=WIDTH, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH,
         max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
         pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
     )
@@ -136,8 +151,8 @@ def vit():
     import torchvision
 
     return torchvision.models.VisionTransformer(
-        image_size=64, patch_size=16, num_layers=2, num_heads=2, hidden_dim=32,
-        mlp_dim=64, num_classes=10,
+        image_size=64, patch_size=16, num_layers=2, num_heads=2, hidden_dim=WIDTH,
+        mlp_dim=2 * WIDTH, num_classes=10,
     )
 
 

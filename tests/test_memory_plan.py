@@ -125,6 +125,8 @@ def test_plan_of_a_graph_break_program_passes_input_gradients_between_backwards(
     # the later graph's backward runs first
     assert names[2] == names[1].replace("forward", "backward") and names[3] == names[0].replace("forward", "backward")
     assert abs(plan.growth_bytes / measured - 1) <= TOLERANCE
+    # ``h``, which the second graph reads, is the first one's output, not held between steps
+    assert plan.resident_bytes == sum(p.numel() * 4 for p in model.parameters()) + x.numel() * 4
 
 
 def test_optimizer_state_and_shared_parameters_are_resident_once():

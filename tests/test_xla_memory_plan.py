@@ -174,3 +174,30 @@ def test_a_backward_in_segments_is_planned_through_its_segments(xla_device):
     plan = donate_backend.memory_plan()
     assert len([g for g in plan.graphs if "backward" in g.name]) == split[0].backward_segments
     assert not [note for note in plan.notes if "no prediction" in note], plan.notes
+
+
+def test_an_output_read_by_a_later_graph_is_not_counted_as_held_between_steps(xla_device):
+    """A graph break between the model and its loss: the second graph reads the first
+    one's output, a value of the step. The resident bytes are the state and the batch."""
+    model = _layers(depth=2).to(xla_device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(512, 256).to(xla_device)
+
+    def step(x):
+        out = model(x)
+        torch._dynamo.graph_break()
+        loss = out.square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = torch.compile(step, backend="donate_xla")
+    for _ in range(2):
+        step(x)
+        torch_xla.sync()
+    forwards = [r for r in donate_backend.reports() if r.kind == "forward"]
+    assert len(forwards) == 2
+    plan = donate_backend.memory_plan()
+    assert plan.resident_bytes == _nbytes(model.parameters()) + _nbytes([x])
+    assert plan.breakdown["inputs"] == _nbytes([x])

@@ -48,6 +48,18 @@ def _storage_of(value) -> Optional[InputStorage]:
         return None
 
 
+def returned_storages(args, outputs, captured: Optional[NativeCapture]) -> frozenset:
+    """The storage identities (as in ``input_storages``) of the tensors a graph returned
+    that are not its inputs' storages (``args``, and the module attributes ``captured``
+    saw): a later graph reading one reads a value of the step, not a tensor held
+    between steps."""
+    known = getattr(captured, "input_storages", ())
+    inputs = {s.storage for s in (*known, *map(_storage_of, args)) if s is not None}
+    return frozenset(
+        s.storage for s in map(_storage_of, outputs) if s is not None and s.storage not in inputs
+    )
+
+
 def capture(gm, example_inputs) -> NativeCapture:
     flat = [tensor for _, tensor, _ in graph_attributes(gm)] + list(example_inputs)
     return NativeCapture(

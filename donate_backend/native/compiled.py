@@ -23,6 +23,7 @@ import torch
 
 from .. import budget, builds, config, ddp, report
 from . import compat, executor, memory
+from .capture import returned_storages
 
 
 def _device_of(example_inputs) -> str:
@@ -135,7 +136,10 @@ class CompiledGraph:
                 for r in report.reports()
                 if r.kind == "forward" and r.output_storages is not None
             }
+        inputs = list(args)  # the run empties ``args`` (boxed calling convention)
         result = self.built.run(args)
+        if self.ctx.kind != "backward":
+            self.record.returned = returned_storages(inputs, result, self.ctx.captured)
         if self.ctx.kind == "forward" and self._forward_returns is not None:
             self.record.output_storages = memory.storage_refs(result[: self._forward_returns])
         elif self.ctx.kind == "backward":

@@ -251,13 +251,16 @@ def predict_or_none(gm: torch.fx.GraphModule, name: str, kind: str, **kwargs) ->
         return None
 
 
-def note_call(record, roles: Sequence[str], args: Sequence) -> None:
-    """On each call, when the graph ran (``report.mark_call``). On its first call: when it
-    ran among all graphs (the plan's step order) and,
-    for a forward or an optimizer step, the tensors it reads that its caller holds
-    between steps (``(role, identity, bytes)``; one tensor read by two graphs is
-    counted once). XLA tensors have no storage address: the identity is the tensor
-    object's, which the parameters and optimizer state keep across graphs."""
+def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = ()) -> None:
+    """After each call, that the graph ran (``report.mark_call``). After its first call:
+    when it ran among all graphs (the plan's step order) and, for a forward or an
+    optimizer step, the tensors it reads that its caller holds between steps
+    (``(role, identity, bytes)``; one tensor read by two graphs is counted once) and
+    the identities of the tensors it returned: a later graph of the step that reads one
+    (a model's logits, read by a loss compiled as a graph of its own) reads a value of
+    the step, not a tensor held between steps. XLA tensors have no storage address: the
+    identity is the tensor object's, which the parameters and optimizer state keep
+    across graphs."""
     from .. import report
 
     if record.first_call is not None:
@@ -271,6 +274,10 @@ def note_call(record, roles: Sequence[str], args: Sequence) -> None:
         if isinstance(value, torch.Tensor):
             held.append((role, ("xla", id(value)), xla_bytes(value)))
     record.held_inputs = tuple(held)
+    inputs = {id(v) for v in args}
+    record.returned = frozenset(  # an input returned as it is stays the caller's
+        ("xla", id(v)) for v in outputs if isinstance(v, torch.Tensor) and id(v) not in inputs
+    )
 
 
 def predict_step(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModule,

@@ -357,10 +357,10 @@ class XlaExecutable:
         requested: frozenset = frozenset(),
         requestable: tuple = (),
         sharded: bool = False,
-        on_call: Optional[Callable[[list], None]] = None,
+        on_call: Optional[Callable[[list, list], None]] = None,
     ):
         self.graph_name = graph_name
-        self._on_call = on_call  # notes for the memory plan (xla.memory.note_call)
+        self._on_call = on_call  # after each call, notes for the memory plan (xla.memory.note_call)
         self.lowered = lowered
         self._relower = relower
         self._without_donation: Optional[LoweredGraph] = None
@@ -388,9 +388,10 @@ class XlaExecutable:
 
     def __call__(self, args: list):
         args = list(args)
+        outputs = self.run(args, self._device_args(args))
         if self._on_call is not None:
-            self._on_call(args)
-        return self.run(args, self._device_args(args))
+            self._on_call(args, outputs)
+        return outputs
 
     def run(self, args: list, device_args: list):
         """One call, given the arguments already on the device (``materialized_device_args``)."""
@@ -795,12 +796,12 @@ class StitchedExecutable:
         host_values=None,
         donors: Sequence[int] = (),
         version_bumped: Optional[frozenset] = None,
-        on_call: Optional[Callable[[list], None]] = None,
+        on_call: Optional[Callable[[list, list], None]] = None,
     ):
         self.graph_name = graph_name
         self.lowered = lowered
         self.last_call = lowered
-        self._on_call = on_call  # notes for the memory plan (xla.memory.note_call)
+        self._on_call = on_call  # after each call, notes for the memory plan (xla.memory.note_call)
         self._host_values = host_values
         self._opname = f"donate_xla::{graph_name.replace(' ', '_')}"
         self.device = torch_xla.device()
@@ -820,9 +821,11 @@ class StitchedExecutable:
         self.calls_without_donation = 0  # calls with donors that flagged none
 
     def __call__(self, args: list):
+        args = list(args)
+        outputs = self.run(args, None)
         if self._on_call is not None:
-            self._on_call(args)
-        return self.run(list(args), None)
+            self._on_call(args, outputs)
+        return outputs
 
     def run(self, args: list, device_args: Optional[list]):
         lowered = self.lowered
