@@ -294,6 +294,13 @@ def memory_plan(
                 "each gradient as the optimizer consumes it; the plan counts them as separate "
                 "executables, so it is an upper bound"
             )
+        forwards = [r for r in native if r.kind == "forward"]
+        if len(forwards) > 1:
+            notes.append(
+                f"the step's forward is {len(forwards)} graphs (graph breaks): the code between them "
+                "runs in torch_xla's lazy mode, outside any compiled graph, and what it holds until "
+                "the next torch_xla.sync() is not counted"
+            )
         if any(r.backward_segments for r in records):
             notes.append("backward segments: each segment counted as a backward of its own (approximate)")
     return MemoryPlan(

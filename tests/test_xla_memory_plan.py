@@ -201,3 +201,4 @@ def test_an_output_read_by_a_later_graph_is_not_counted_as_held_between_steps(xl
     plan = donate_backend.memory_plan()
     assert plan.resident_bytes == _nbytes(model.parameters()) + _nbytes([x])
     assert plan.breakdown["inputs"] == _nbytes([x])
+    assert any("graph breaks" in note for note in plan.notes), plan.notes
