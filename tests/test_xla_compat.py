@@ -364,7 +364,7 @@ def test_without_an_exclusivity_api_values_stay_right(xla_device, monkeypatch, o
 
 
 def test_without_view_metas_only_tensors_that_are_not_views_are_donatable(xla_device, monkeypatch):
-    from donate_backend.xla.runtime import identity_storages
+    from donate_backend.xla.ownership import identity_storages
 
     base = torch.randn(4, 3).to(xla_device)
     assert identity_storages([base]) and not identity_storages([base.t()])

@@ -652,13 +652,13 @@ def test_a_clone_read_on_the_host_survives_an_eager_update_and_a_compiled_call(s
     same; see docs/xla.md). A donate_xla call whose inputs have no pending eager work
     runs none of it, so the clone keeps its value and the update lands."""
     from donate_backend import config
-    from donate_backend.xla import runtime
+    from donate_backend.xla import ownership
 
     device = torch_xla.device()
     b = torch.randn(6).to(device)
     w = torch.randn(6).to(device)
     torch_xla.sync()
-    runtime._stitched_pending.settle(device)  # a stitched step of an earlier test: run it now
+    ownership.stitched_pending.settle(device)  # a stitched step of an earlier test: run it now
     b_host = b.cpu()
     kept = b.clone()
     assert torch.equal(kept.cpu(), b_host)
