@@ -16,6 +16,11 @@ Models: the two of bench/xla_common.py (a 50M-parameter MLP with SGD momentum, a
 momentum, a 4-layer pre-LN transformer d=512 with AdamW. Settings: default,
 DONATE_XLA_STITCH=1, DONATE_XLA_BACKWARD_SEGMENTS=8.
 
+And the real models of tests/test_xla_real_models.py (HF transformers from configs,
+torchvision), built at width 256, vocabulary 4096, 8 x 128 tokens
+(``real_models.sized``: at the tests' size their buffers are below the 64 KiB that
+RSS can tell apart), whole step with AdamW, default settings only.
+
 Usage: python bench/xla_plan_accuracy.py [--models a,b] [--settings default,stitch]
        [--json out.json]
 """
@@ -38,6 +43,8 @@ SETTINGS = {
     "segments": {"DONATE_XLA_BACKWARD_SEGMENTS": "8"},
 }
 MODELS = ("mlp50m_sgd", "gpt6x512_adamw", "mlp8x2048_gelu", "preln4x512_adamw")
+REAL_MODELS = ("gpt2", "bert", "llama", "t5", "bart", "mixtral", "resnet18", "vit")
+REAL_SIZE = dict(width=256, vocab=4096, seq=128, batch=8)
 
 
 def _extra_models():
@@ -82,6 +89,36 @@ def _extra_models():
     }
 
 
+def _real_model(name: str, device):
+    """A model of tests/real_models.py at ``REAL_SIZE``, AdamW, its whole step."""
+    import torch
+
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    import real_models
+
+    with real_models.sized(**REAL_SIZE):
+        spec = real_models.MODELS[name]
+        model = spec.build().to(device)
+        batch = {k: v.to(device) for k, v in spec.batch(0).items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(batch):
+        loss = spec.loss(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return model, opt, step, (batch,)
+
+
+def _tensors(inputs) -> list:
+    out = []
+    for value in inputs:
+        out += list(value.values()) if isinstance(value, dict) else [value]
+    return out
+
+
 def worker(model_name: str) -> dict:
     import torch
     import torch_xla
@@ -93,15 +130,18 @@ def worker(model_name: str) -> dict:
 
     xla_common.MODELS.update(_extra_models())
     device = torch_xla.device()
-    model, opt, step, (x, y) = xla_common.build(model_name, device)
+    if model_name in REAL_MODELS:
+        model, opt, step, inputs = _real_model(model_name, device)
+    else:
+        model, opt, step, inputs = xla_common.build(model_name, device)
     compiled = torch.compile(step, backend="donate_xla")
     for _ in range(3):
-        compiled(x, y)
+        compiled(*inputs)
         torch_xla.sync()
         xm.wait_device_ops()
     plan = donate_backend.memory_plan()
     state = sum(t.numel() * t.element_size() for t in xla_common.state_tensors(model, opt))
-    state += sum(t.numel() * t.element_size() for t in (x, y))
+    state += sum(t.numel() * t.element_size() for t in [*model.buffers(), *_tensors(inputs)])
     samples, stop = [], threading.Event()
 
     def sample():
@@ -112,7 +152,7 @@ def worker(model_name: str) -> dict:
     thread = threading.Thread(target=sample)
     thread.start()
     for _ in range(4):
-        compiled(x, y)
+        compiled(*inputs)
         torch_xla.sync()
         xm.wait_device_ops()
     stop.set()
@@ -125,7 +165,7 @@ def worker(model_name: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS + REAL_MODELS))
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--worker", default=None, help="internal: one run")
     parser.add_argument("--verbose", action="store_true", help="print each plan")
@@ -139,7 +179,8 @@ def main() -> int:
     rows = []
     print("xla_plan_accuracy: XLA:CPU, live bytes (MALLOC_MMAP_THRESHOLD_=65536), one fresh process per row")
     for model_name in options.models.split(","):
-        for setting in options.settings.split(","):
+        settings = options.settings.split(",")
+        for setting in (["default"] if model_name in REAL_MODELS and "default" in settings else []) or settings:
             env = dict(SETTINGS[setting], MALLOC_MMAP_THRESHOLD_="65536")
             try:
                 r = xla_common.run_worker(__file__, "--worker", model_name, env=env)
