@@ -99,18 +99,17 @@ def _train(model, step, x, steps=5):
     return [float(v) for v in losses]
 
 
-def test_a_memory_limit_on_the_xla_path_is_met_by_recomputing_with_eager_values(xla_device):
-    """A limit at the resident bytes plus 0.75 of the default's growth: the partitioner
-    saves less (a budget below 1.0), the plan fits under the limit, and five SGD steps
-    equal eager's."""
-    x_cpu = torch.randn(1024, 512)
-    eager = _layers(width=512, depth=6)
+def _limited_training(xla_device, width, depth, batch, limit_of):
+    """Plan the default step, compile it again under ``limit_of(plan)``, train five SGD
+    steps and check they equal eager's. Returns (default plan, limit, fitted plan)."""
+    x_cpu = torch.randn(batch, width)
+    eager = _layers(width=width, depth=depth)
     default = copy.deepcopy(eager).to(xla_device)
     x = x_cpu.to(xla_device)
     opt = torch.optim.SGD(default.parameters(), lr=1e-2)
     _train(default, torch.compile(squared_mean_step(default, opt), backend="donate_xla"), x, steps=2)
     plan = donate_backend.memory_plan()
-    limit = plan.resident_bytes + int(0.75 * plan.growth_bytes)
+    limit = limit_of(plan)
     torch._dynamo.reset()
     donate_backend.clear_reports()
 
@@ -120,14 +119,35 @@ def test_a_memory_limit_on_the_xla_path_is_met_by_recomputing_with_eager_values(
     losses = _train(limited, step, x)
     fitted = donate_backend.memory_plan()
     print(f"\nlimit {limit / MIB:.1f} MiB; default plan {plan.peak_bytes / MIB:.1f} MiB\n{fitted.as_text()}")
-    assert plan.peak_bytes > limit >= fitted.peak_bytes
-    assert any("chosen under memory_limit" in c for c in fitted.choices)
 
     eager_opt = torch.optim.SGD(eager.parameters(), lr=1e-2)
     eager_losses = _train(eager, squared_mean_step(eager, eager_opt), x_cpu)
     assert losses == pytest.approx(eager_losses, rel=1e-4, abs=1e-6)
     for got, expected in zip(limited.parameters(), eager.parameters()):
         torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-5)
+    return plan, limit, fitted
+
+
+def test_a_memory_limit_on_the_xla_path_is_met_by_recomputing_with_eager_values(xla_device):
+    """A limit at the resident bytes plus 0.75 of the default's growth: the partitioner
+    saves less (a budget below 1.0), the plan fits under the limit, and five SGD steps
+    equal eager's."""
+    plan, limit, fitted = _limited_training(
+        xla_device, 512, 6, 1024, lambda plan: plan.resident_bytes + int(0.75 * plan.growth_bytes)
+    )
+    assert plan.peak_bytes > limit >= fitted.peak_bytes
+    assert any("chosen under memory_limit" in c for c in fitted.choices)
+
+
+def test_a_memory_limit_met_by_backward_segments_recomputes_nothing(xla_device):
+    """Wide layers, few activations (too few for automatic segments): the step's peak is
+    the end of the backward, saved activations and gradients together. A limit 1 MiB
+    below the default's peak is met by splitting the backward, at activation budget 1."""
+    plan, limit, fitted = _limited_training(xla_device, 1024, 4, 1024, lambda plan: plan.peak_bytes - MIB)
+    assert not any("segments" in c for c in plan.choices)
+    assert plan.peak_bytes > limit >= fitted.peak_bytes
+    assert any("activation budget 1 chosen" in c for c in fitted.choices), fitted.choices
+    assert any("chosen to fit memory_limit: backward in" in c for c in fitted.choices), fitted.choices
 
 
 def test_an_impossible_memory_limit_on_the_xla_path_is_refused_before_anything_runs(xla_device):

@@ -219,18 +219,19 @@ def _split_backward(gm, ctx, settings: config.Settings, symbolic: bool) -> Optio
         return None
     if settings.backward_segments is None:  # automatic: where it releases enough
         split = segments.split_backward(gm, segments.AUTO_SEGMENTS)
-        return split if split is not None and segments.worth_splitting(split) else None
+        chosen = gm.meta.get(xla_memory.SEGMENTS_META)  # the split a memory limit chose
+        return split if split is not None and (chosen or segments.worth_splitting(split)) else None
     if settings.backward_segments < 2:
         return None
     return segments.split_backward(gm, settings.backward_segments)
 
 
-def _record_split(split: segments.SplitBackward, ctx, num_inputs: int, automatic: bool) -> None:
+def _record_split(split: segments.SplitBackward, ctx, num_inputs: int, how: str) -> None:
     report.add(
         report.GraphRecord(
             graph_id=ctx.graph_id, kind=ctx.kind, device="xla", path="xla", num_inputs=num_inputs,
             backward_segments=split.count, released_bytes=split.released_bytes,
-            segments_choice=("chosen automatically: " if automatic else "backward_segments setting: ") + split.choice,
+            segments_choice=how + split.choice,
         )
     )
 
@@ -357,7 +358,10 @@ def compile_graph(gm, example_inputs, ctx):
     def build(settings: config.Settings):
         split = _split_backward(gm, ctx, settings, symbolic)
         if split is not None:
-            _record_split(split, ctx, len(example_inputs), automatic=settings.backward_segments is None)
+            how = "backward_segments setting: " if settings.backward_segments is not None else (
+                "chosen to fit memory_limit: " if gm.meta.get(xla_memory.SEGMENTS_META) else "chosen automatically: "
+            )
+            _record_split(split, ctx, len(example_inputs), how)
             return segments.compile_split(split, ctx, compile_graph, fallback.SegmentContext)
         if symbolic or compat.is_spmd():
             return PerSignatureExecutable(

@@ -280,20 +280,79 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
     )
 
 
+SEGMENTS_META = "donate_xla_backward_segments"  # bw_module.meta: the split the limit chose
+
+
 def predict_step(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModule,
                  forward_returns: Optional[int] = None):
     """A candidate partition's step peak (bytes) and its parts, before anything is
     lowered (``budget``, under a memory limit): the forward's inputs are resident, its
-    saved activations held until the backward, which returns the gradients."""
+    saved activations held until the backward, which returns the gradients.
+
+    The backward as one executable; where that step does not fit the
+    ``memory_limit`` in force, the backward split into segments (``segments.py``),
+    each releasing the saved tensors it read last. A split that makes the step fit
+    is noted in ``bw_module.meta[SEGMENTS_META]``, and the backward's compiler
+    splits it so: it recomputes nothing, so it comes before any smaller activation
+    budget. ``DONATE_XLA_BACKWARD_SEGMENTS`` set to a number is kept as it is."""
+    from .. import config
+    from . import segments
+
     resident = sum(_bytes(n) for n in fw_module.graph.find_nodes(op="placeholder"))
     forward = predict(fw_module.graph, "forward", "forward", forward_returns=forward_returns)
     backward = predict(bw_module.graph, "backward", "backward")
     parts: Dict[str, int] = {native_memory.INPUTS: resident}
+    tangents = ((GRADIENTS, backward.tangent_bytes),)
     in_backward = forward.end_bytes + backward.tangent_bytes + backward.peak_bytes
+    backward_parts = backward.peak_parts
+    settings = config.current()
+    limit = settings.memory_limit
+    bw_module.meta.pop(SEGMENTS_META, None)
+    split = None
+    if settings.backward_segments is None and limit is not None and resident + in_backward > limit:
+        split = segments.split_backward(bw_module, segments.AUTO_SEGMENTS)
+    if split is not None:  # the backward alone does not fit: would its segments?
+        split_peak, split_parts = _split_peak(split)
+        if forward.end_bytes + backward.tangent_bytes + split_peak < in_backward:
+            in_backward = forward.end_bytes + backward.tangent_bytes + split_peak
+            backward_parts = split_parts
+            if resident + max(in_backward, forward.peak_bytes) <= limit:
+                bw_module.meta[SEGMENTS_META] = split.count
     if forward.peak_bytes >= in_backward:
         for category, size in forward.peak_parts:
             parts[category] = parts.get(category, 0) + size
         return resident + forward.peak_bytes, parts
-    for category, size in forward.end_parts + backward.peak_parts + ((GRADIENTS, backward.tangent_bytes),):
+    for category, size in forward.end_parts + backward_parts + tangents:
         parts[category] = parts.get(category, 0) + size
     return resident + in_backward, parts
+
+
+def _split_peak(split) -> tuple:
+    """The most bytes a split backward holds above its start (its tangents and saved
+    inputs aside), and its parts then: the segments run in order, each adding its
+    outputs and releasing the inputs it read last (saved activations included)."""
+    top = split.top
+    last_use: Dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in top.graph.nodes:
+        for used in node.all_input_nodes:
+            last_use[used] = node
+    level, peak, peak_parts = 0, 0, ()
+    sizes: Dict[torch.fx.Node, int] = {}
+    for node in top.graph.nodes:
+        if node.op != "call_module":
+            continue
+        segment = predict(getattr(top, node.target).graph, node.target, "inference")
+        if level + segment.peak_bytes > peak:
+            peak, peak_parts = level + segment.peak_bytes, ((GRADIENTS, level),) + segment.peak_parts
+        sizes[node] = segment.end_bytes
+        level += segment.end_bytes
+        for used in node.all_input_nodes:
+            if last_use.get(used) is not node:
+                continue
+            if used.op == "placeholder":  # a saved activation (parameters and tangents stay)
+                if not used.name.startswith(("primals", "tangents")):
+                    level -= _bytes(used)
+            else:  # a value an earlier segment passed on
+                level -= sizes.get(used, 0)
+                sizes[used] = 0
+    return peak, peak_parts
