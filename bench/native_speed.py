@@ -172,7 +172,7 @@ def main() -> int:
             plan = f"{statistics.median(pred):9.1f}" if pred else f"{'':>9}"
             print(f"  {variant:<20} {spread(t):>26} {spread(p):>26} {f:12.1f} {plan}  {ratio}")
     sys.path.insert(0, HERE)
-    from backward_memory import describe
+    from backward_memory import MODELS, describe
     from measure import write_results
 
     write_results("native_speed", [dict(model=m, variant=v, runs=r) for (m, v), r in samples.items()],
