@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 if HAS_TORCH_XLA:
     from donate_backend.errors import UnsupportedGraphError
     from donate_backend.xla.lower import lower
-    from donate_backend.xla.trace import has_xla_lowering
+    from donate_backend.xla.ops import has_xla_lowering
 
 
 def test_op_without_xla_lowering_runs_on_the_cpu_between_xla_segments(xla_device):
@@ -335,13 +335,13 @@ def test_an_op_goes_to_the_cpu_only_for_the_arguments_its_kernel_hands_over(monk
     """``lowerable_node`` asks an op's fallback predicate about the node's arguments
     (their fake values); a predicate that raises (an argument layout nobody foresaw)
     sends the op to the CPU, the safe side."""
-    from donate_backend.xla import trace
+    from donate_backend.xla import ops
 
-    assert trace.lowerable_node(_roll_node((3, 4)))
-    assert not trace.lowerable_node(_roll_node((0, 4)))  # torch_xla's kernel: SIGFPE
+    assert ops.lowerable_node(_roll_node((3, 4)))
+    assert not ops.lowerable_node(_roll_node((0, 4)))  # torch_xla's kernel: SIGFPE
 
     def surprised(args, kwargs):
         raise IndexError("an argument layout nobody foresaw")
 
-    monkeypatch.setitem(trace._FALLS_BACK_WITH, torch.ops.aten.roll.default, surprised)
-    assert not trace.lowerable_node(_roll_node((3, 4)))
+    monkeypatch.setitem(ops._FALLS_BACK_WITH, torch.ops.aten.roll.default, surprised)
+    assert not ops.lowerable_node(_roll_node((3, 4)))

@@ -408,9 +408,9 @@ def test_reductions_over_every_dimension_by_an_empty_dim_list():
 def test_a_lowering_that_changes_an_outputs_shape_is_refused(monkeypatch):
     """Should another torch_xla lowering compute the wrong shape, the graph is refused
     with a message naming the output, not run: here the empty-dim fix is undone."""
-    from donate_backend.xla import trace
+    from donate_backend.xla import ops
 
-    monkeypatch.setattr(trace, "with_every_dim", lambda target, args, kwargs: (args, kwargs))
+    monkeypatch.setattr(ops, "with_every_dim", lambda target, args, kwargs: (args, kwargs))
     f = torch.compile(lambda x: x.amax() * 2, backend="donate_xla")
     with pytest.raises(Exception, match=r"computed output 'mul' with shape \[3, 4\], but torch says \[\]"):
         f(torch.randn(3, 4).to(torch_xla.device()))
@@ -866,7 +866,7 @@ def test_traced_values_take_the_dtype_torch_declares():
     """The two helpers behind it: a traced result in another dtype than the node's
     fake value is cast to it (tuples element by element, the rest untouched), and a
     BatchNorm backward with mixed floating dtypes runs in float32."""
-    from donate_backend.xla.trace import batch_norm_backward_args, conform_dtypes
+    from donate_backend.xla.ops import batch_norm_backward_args, conform_dtypes
 
     graph = torch.fx.Graph()
     single, pair = graph.placeholder("a"), graph.placeholder("b")

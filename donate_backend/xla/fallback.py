@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from .trace import lowerable_node
+from .ops import lowerable_node
 
 
 def fallback_nodes(gm: torch.fx.GraphModule) -> list:
