@@ -283,14 +283,12 @@ def eval_batch_norm_backward(target, args: tuple, kwargs: dict):
     train = args[7] if len(args) > 7 else kwargs.get("train", True)
     if train:
         return None
-    decomposition = compat.decomposition(target)
-    if decomposition is None:
-        raise UnsupportedGraphError(
-            "donate_xla: an eval-mode BatchNorm's backward needs torch's decomposition of "
-            "native_batch_norm_backward, which this torch lacks (torch_xla's own computes a "
-            "wrong gradient). Keep the BatchNorm in training mode or freeze its parameters."
-        )
-    return decomposition(*args, **kwargs)
+    return _as_decomposed(
+        target, args, kwargs,
+        "donate_xla: an eval-mode BatchNorm's backward needs torch's decomposition of "
+        "native_batch_norm_backward, which this torch lacks (torch_xla's own computes a "
+        "wrong gradient). Keep the BatchNorm in training mode or freeze its parameters.",
+    )
 
 
 def dropout_as_torch(target, args: tuple, kwargs: dict):
@@ -305,13 +303,20 @@ def dropout_as_torch(target, args: tuple, kwargs: dict):
     """
     if target is not _aten.native_dropout.default:
         return None
+    return _as_decomposed(
+        target, args, kwargs,
+        "donate_xla: dropout needs torch's decomposition of native_dropout, which this "
+        "torch lacks (torch_xla's own lowering scales the kept values by 1/p instead of "
+        "1/(1-p)). Use torch 2.9, or move the dropout out of the compiled region.",
+    )
+
+
+def _as_decomposed(target, args: tuple, kwargs: dict, without_it: str):
+    """``target`` run as torch's decomposition; ``without_it`` is the refusal where torch
+    has none (torch_xla's own lowering would be wrong)."""
     decomposition = compat.decomposition(target)
     if decomposition is None:
-        raise UnsupportedGraphError(
-            "donate_xla: dropout needs torch's decomposition of native_dropout, which this "
-            "torch lacks (torch_xla's own lowering scales the kept values by 1/p instead of "
-            "1/(1-p)). Use torch 2.9, or move the dropout out of the compiled region."
-        )
+        raise UnsupportedGraphError(without_it)
     return decomposition(*args, **kwargs)
 
 
