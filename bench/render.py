@@ -107,11 +107,17 @@ def med(values) -> float:
 
 
 def spread(values, fmt=mib, unit="") -> str:
-    """median [min–max]; one value alone."""
+    """median [min–max]; one value where they all agree (to the digits shown)."""
     values = list(values)
-    if len(values) == 1:
+    if fmt(min(values)) == fmt(max(values)):
         return f"{fmt(values[0])}{unit}"
     return f"{fmt(med(values))}{unit} [{fmt(min(values))}–{fmt(max(values))}]"
+
+
+def spread_range(values, fmt) -> str:
+    """min–max; one value where they agree."""
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def ratio(a, b) -> str:
@@ -377,7 +383,7 @@ def _compile_table(results):
         o, d = by[m]["openxla"], by[m]["donate_xla"]
         pair = lambda key, fmt: f"{fmt(med(r[key] for r in o))} / {fmt(med(r[key] for r in d))}"  # noqa: E731
         per_repeat = lambda f: " ".join(f"{x:.2f}" for x in sorted(f(a, b) for a, b in zip(d, o)))  # noqa: E731
-        first = lambda runs: f"{min(sum(r['warm_calls_s']) for r in runs):.2f}–{max(sum(r['warm_calls_s']) for r in runs):.2f}"  # noqa: E731
+        first = lambda runs: spread_range([sum(r["warm_calls_s"]) for r in runs], lambda x: f"{x:.2f}")  # noqa: E731
         cells = [pair("warm_bytes", lambda x: f"{x:.0f}"), pair("steady_bytes", lambda x: f"{x:.0f}"),
                  f"**{med(r['record_bytes'] for r in d):.0f}**", pair("compile_s", lambda x: f"{x:.2f}"),
                  per_repeat(lambda a, b: a["compile_s"] / b["compile_s"]),
@@ -418,8 +424,8 @@ def _compile_phases(results):
 def _compile_own(results):
     """donate_xla's own phases (everything after aot_autograd's) as a share of its first calls, GPT."""
     runs = _compile(results)["gpt6x512_adamw"]["donate_xla"]
-    torch_phases = ("dynamo", "backend before aot_autograd", "aot_autograd", "XLA compile")
-    own = med(sum(v for n, v in r["phases"].items() if v is not None and n not in torch_phases) for r in runs)
+    not_own = ("dynamo", "backend before aot_autograd", "aot_autograd", "xla compile")
+    own = med(sum(v for n, v in r["phases"].items() if v is not None and n.lower() not in not_own) for r in runs)
     total = med(sum(v for v in r["phases"].values() if v is not None) for r in runs)
     return f"{own:.2f} s of {total:.1f} s"
 
@@ -540,16 +546,18 @@ def _xla_plan(results):
     rows, seen = [], set()
     for r in rows_in:
         growth_err = pct(r["growth_error"]) if r["setting"] != "stitch" or r["growth_error"] < 0.5 else "(upper bound)"
-        rows.append([XLA_MODELS[r["model"]] if r["model"] not in seen else "", settings.get(r["setting"], r["setting"]),
+        label = XLA_MODELS.get(r["model"]) or f"{r['model']} (tests/real_models.py, sized up), AdamW"
+        rows.append([label if r["model"] not in seen else "", settings.get(r["setting"], r["setting"]),
                      mib(r["predicted_growth"]), mib(r["measured_growth"]), growth_err, mib(r["predicted_peak"]),
                      mib(r["state"] + r["measured_growth"]), pct(r["peak_error"])])
         seen.add(r["model"])
-    resident = all(r["predicted_resident"] == r["state"] for r in rows_in)
+    differ = sum(r["predicted_resident"] != r["state"] for r in rows_in)
     return "\n\n".join([
         table(["model", "setting", "predicted growth (MiB)", "measured growth", "error", "predicted peak (MiB)",
                "state + measured growth", "error"], rows),
         caption(results("xla_plan_accuracy"), "One fresh process per row, live bytes"),
-        "The predicted resident bytes equal the state's bytes in " + ("every row." if resident else "not every row."),
+        "The predicted resident bytes equal the state's bytes in every row." if not differ else
+        f"The predicted resident bytes differ from the state's bytes in {differ} of {len(rows_in)} rows.",
     ])
 
 
@@ -644,7 +652,7 @@ def _headline(results):
                 mem.append("–")
                 step.append("–")
                 continue
-            m, s = f"{mib(med(figs[b]['live']))} MiB", f"{med(figs[b]['step']):.3f} s"
+            m, s = f"{mib(med(figs[b]['live']))} MiB", spread(figs[b]["step"], lambda x: f"{x:.2f}", " s")
             if i == 1:
                 m, s = f"**{m}** ({switch_label[model]})", f"{s}"
             mem.append(m)
@@ -652,7 +660,8 @@ def _headline(results):
         rows.append([XLA_MODELS[model], "memory a step needs beyond its state (live bytes)"] + mem)
         rows.append(["", "step time"] + step)
     data = results("donation")
-    return "\n\n".join([table(header, rows), caption(data, "XLA:CPU, medians over fresh processes")])
+    return "\n\n".join([table(header, rows), caption(data, "XLA:CPU, medians over fresh processes; step times "
+                                                         "median [min–max]")])
 
 
 @field("headline.native")
@@ -665,10 +674,11 @@ def _headline_native(results):
         for variant, label in SPEED_VARIANTS.items():
             ok = runs.get((m, variant))
             if ok:
-                rows.append([label, f"{med(r['step_s'] for r in ok) * 1e3:.0f} ms", f"{mib(med(r['peak'] for r in ok))} MiB"])
+                rows.append([label, spread([r["step_s"] * 1e3 for r in ok], lambda x: f"{x:.0f}", " ms"),
+                             spread([r["peak"] for r in ok], unit=" MiB")])
     return "\n\n".join([
         table([f"{NATIVE_MODELS['3']}, CPU, AdamW", "step time", "step peak above the level before it"], rows),
-        caption(results("native_speed"), "Medians over fresh processes"),
+        caption(results("native_speed"), "Medians [min–max] over fresh processes"),
     ])
 
 
@@ -702,9 +712,6 @@ def headline_region(readme: str) -> str:
 
 # --- plots --------------------------------------------------------------------------------------
 
-PLOTS = ("donation_rss.png", "donation_gpt_rss.png", "spmd_rss.png", "spmd_act_rss.png")
-
-
 def _trace_axes(ax, runs: dict, title: str, floor=None):
     for label, r in runs.items():
         ax.plot([t for t, _ in r["rss"]], [m / MIB for _, m in r["rss"]], label=label)
@@ -716,41 +723,66 @@ def _trace_axes(ax, runs: dict, title: str, floor=None):
     ax.legend(fontsize=8)
 
 
-def draw_plots(results: Results, docs: str = DOCS) -> list:
-    """The plots docs/benchmarks.md and README.md link, from the first repeat of each row."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
+def _plot_donation(results, plt):
+    """Every model and allocator setting, first repeat of each row."""
     entries = results.get("donation", "results")
     allocators = list(entries[0]["runs"])
     fig, axes = plt.subplots(len(entries), len(allocators), figsize=(6 * len(allocators), 4 * len(entries)),
                              squeeze=False)
     for ax_row, entry in zip(axes, entries):
         for ax, allocator in zip(ax_row, allocators):
-            runs = {DONATION_ROWS.get(b, b).replace("*", ""): rs[0] for b, rs in entry["runs"][allocator].items()}
+            runs = {DONATION_ROWS.get(b, b).replace("*", "").replace("`", ""): rs[0] for b, rs in entry["runs"][allocator].items()}
             _trace_axes(ax, runs, f"{XLA_MODELS[entry['model']]}, {allocator} allocator",
                         donation_floor(results, entry)[0])
-    fig.tight_layout()
-    written.append(os.path.join(docs, "donation_rss.png"))
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+    return fig
 
+
+def _plot_donation_gpt(results, plt):
     entry = _donation(results, "gpt6x512_adamw")
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    runs = {DONATION_ROWS.get(b, b).replace("*", ""): rs[0] for b, rs in entry["runs"]["live"].items()}
+    runs = {DONATION_ROWS.get(b, b).replace("*", "").replace("`", ""): rs[0] for b, rs in entry["runs"]["live"].items()}
     _trace_axes(ax, runs, f"{XLA_MODELS['gpt6x512_adamw']}, live bytes", donation_floor(results, entry)[0])
-    fig.tight_layout()
-    written.append(os.path.join(docs, "donation_gpt_rss.png"))
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+    return fig
 
-    for layout, name in (("fsdp", "spmd_rss.png"), ("fsdp-act", "spmd_act_rss.png")):
-        runs = {SPMD_ROWS.get(row, row).replace("*", ""): rs[0] for row, rs in _spmd(results, layout).items()}
+
+def _plot_spmd(layout):
+    def plot(results, plt):
+        runs = {SPMD_ROWS.get(row, row).replace("*", "").replace("`", ""): rs[0] for row, rs in _spmd(results, layout).items()}
         fig, ax = plt.subplots(figsize=(7, 4))
         _trace_axes(ax, runs, f"GPT 6×512 on 4 CPU devices, layout {layout} (live bytes)")
+        return fig
+    return plot
+
+
+# docs/<name> -> what draws it from the results
+PLOTS = {
+    "donation_rss.png": _plot_donation,
+    "donation_gpt_rss.png": _plot_donation_gpt,
+    "spmd_rss.png": _plot_spmd("fsdp"),
+    "spmd_act_rss.png": _plot_spmd("fsdp-act"),
+}
+LINK = re.compile(r"\]\(([^)\s]+\.png)\)")
+
+
+def linked_plots(docs_md: str, headline_md: str) -> list:
+    """The plots the rendered page and headline link, as names under docs/."""
+    names = LINK.findall(docs_md) + [os.path.relpath(os.path.join(ROOT, p), DOCS) for p in LINK.findall(headline_md)]
+    return list(dict.fromkeys(names))
+
+
+def draw_plots(results: Results, names, docs: str = DOCS) -> list:
+    """Draw the plots ``names`` (under docs/) from the results; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name in names:
+        if name not in PLOTS:
+            raise ResultsError(f"docs/{name} is linked but bench/render.py has no plot of that name "
+                               f"(it draws {', '.join(PLOTS)})")
+        fig = PLOTS[name](results, plt)
         fig.tight_layout()
         written.append(os.path.join(docs, name))
         fig.savefig(written[-1], dpi=100)
@@ -787,7 +819,7 @@ def main(argv=None) -> int:
         f.write(new_readme)
     print(f"wrote {os.path.relpath(target)} and the headline region of {os.path.relpath(README)}")
     if not args.no_plots:
-        for path in draw_plots(results):
+        for path in draw_plots(results, linked_plots(docs, headline)):
             print(f"wrote {os.path.relpath(path)}")
     return 0
 
