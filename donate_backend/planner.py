@@ -216,13 +216,16 @@ def memory_plan(
         )
     path = paths[0]
     native = _last_step(native)
-    # a tensor an earlier graph of the step returned is that graph's output, not resident
-    seen: set = set().union(*(r.returned for r in native))
+    # An input that is neither state nor a parameter, which another graph returned, is
+    # that graph's output (logits read by a loss compiled separately), not resident.
+    # (Optimizer state a first step's graph returned is resident all the same.)
+    returned = set().union(*(r.returned for r in native))
+    seen: set = set()
     resident: Dict[str, int] = {c: 0 for c in CATEGORIES}
     for r in native:
         for role, storage, nbytes in r.held_inputs:
             category = _ROLE_CATEGORY.get(role)
-            if category is None or storage in seen:
+            if category is None or storage in seen or (role == "other" and storage in returned):
                 continue  # gradients come from the backward that makes them
             seen.add(storage)
             resident[category] += nbytes

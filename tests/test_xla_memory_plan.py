@@ -198,9 +198,10 @@ def test_a_backward_in_segments_is_planned_through_its_segments(xla_device):
 
 def test_an_output_read_by_a_later_graph_is_not_counted_as_held_between_steps(xla_device):
     """A graph break between the model and its loss: the second graph reads the first
-    one's output, a value of the step. The resident bytes are the state and the batch."""
+    one's output, a value of the step. The resident bytes are the parameters, the
+    optimizer state and the batch."""
     model = _layers(depth=2).to(xla_device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.randn(512, 256).to(xla_device)
 
     def step(x):
@@ -219,6 +220,9 @@ def test_an_output_read_by_a_later_graph_is_not_counted_as_held_between_steps(xl
     forwards = [r for r in donate_backend.reports() if r.kind == "forward"]
     assert len(forwards) == 2
     plan = donate_backend.memory_plan()
-    assert plan.resident_bytes == _nbytes(model.parameters()) + _nbytes([x])
+    # AdamW's state, which its first step's graph returned, is held between steps all the same
+    state = _nbytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+    expected = _nbytes(model.parameters()) + state + _nbytes([x])
+    assert expected <= plan.resident_bytes <= expected + 64  # and AdamW's 4-byte step counters
     assert plan.breakdown["inputs"] == _nbytes([x])
     assert any("graph breaks" in note for note in plan.notes), plan.notes
