@@ -48,13 +48,17 @@ def _storage_of(value) -> Optional[InputStorage]:
         return None
 
 
-def returned_storages(args, outputs, captured: Optional[NativeCapture]) -> frozenset:
-    """The storage identities (as in ``input_storages``) of the tensors a graph returned
-    that are not its inputs' storages (``args``, and the module attributes ``captured``
-    saw): a later graph reading one reads a value of the step, not a tensor held
-    between steps."""
+def input_storages(args, captured: Optional[NativeCapture]) -> frozenset:
+    """The storage identities of a call's inputs: ``args`` and the module attributes
+    ``captured`` saw."""
     known = getattr(captured, "input_storages", ())
-    inputs = {s.storage for s in (*known, *map(_storage_of, args)) if s is not None}
+    return frozenset(s.storage for s in (*known, *map(_storage_of, args)) if s is not None)
+
+
+def returned_storages(inputs: frozenset, outputs) -> frozenset:
+    """The storage identities (as in ``input_storages``) of the tensors a graph returned
+    that are not its ``inputs``' storages: a later graph reading one reads a value of
+    the step, not a tensor held between steps."""
     return frozenset(
         s.storage for s in map(_storage_of, outputs) if s is not None and s.storage not in inputs
     )

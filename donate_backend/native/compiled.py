@@ -23,7 +23,7 @@ import torch
 
 from .. import budget, builds, config, ddp, report
 from . import compat, executor, memory
-from .capture import returned_storages
+from .capture import input_storages, returned_storages
 
 
 def _device_of(example_inputs) -> str:
@@ -136,10 +136,12 @@ class CompiledGraph:
                 for r in report.reports()
                 if r.kind == "forward" and r.output_storages is not None
             }
-        inputs = list(args)  # the run empties ``args`` (boxed calling convention)
+        # the run empties ``args`` (boxed calling convention, so that a backward can free
+        # what it was given): note the inputs' storages first, holding no tensor
+        inputs = input_storages(args, self.ctx.captured) if self.ctx.kind != "backward" else None
         result = self.built.run(args)
-        if self.ctx.kind != "backward":
-            self.record.returned = returned_storages(inputs, result, self.ctx.captured)
+        if inputs is not None:
+            self.record.returned = returned_storages(inputs, result)
         if self.ctx.kind == "forward" and self._forward_returns is not None:
             self.record.output_storages = memory.storage_refs(result[: self._forward_returns])
         elif self.ctx.kind == "backward":
