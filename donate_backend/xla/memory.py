@@ -330,29 +330,24 @@ def predict_step(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModul
 def _split_peak(split) -> tuple:
     """The most bytes a split backward holds above its start (its tangents and saved
     inputs aside), and its parts then: the segments run in order, each adding its
-    outputs and releasing the inputs it read last (saved activations included)."""
+    outputs and releasing the saved activations it read last. What a segment passes
+    on to later ones is counted until the backward ends (an upper bound: the runner,
+    ``segments.ReleasingRunner``, drops it after its last reader)."""
     top = split.top
     last_use: Dict[torch.fx.Node, torch.fx.Node] = {}
     for node in top.graph.nodes:
         for used in node.all_input_nodes:
             last_use[used] = node
     level, peak, peak_parts = 0, 0, ()
-    sizes: Dict[torch.fx.Node, int] = {}
     for node in top.graph.nodes:
         if node.op != "call_module":
             continue
         segment = predict(getattr(top, node.target).graph, node.target, "inference")
         if level + segment.peak_bytes > peak:
             peak, peak_parts = level + segment.peak_bytes, ((GRADIENTS, level),) + segment.peak_parts
-        sizes[node] = segment.end_bytes
         level += segment.end_bytes
-        for used in node.all_input_nodes:
-            if last_use.get(used) is not node:
-                continue
-            if used.op == "placeholder":  # a saved activation (parameters and tangents stay)
-                if not used.name.startswith(("primals", "tangents")):
-                    level -= _bytes(used)
-            else:  # a value an earlier segment passed on
-                level -= sizes.get(used, 0)
-                sizes[used] = 0
+        for used in node.all_input_nodes:  # saved activations (parameters and tangents stay)
+            saved = used.op == "placeholder" and not used.name.startswith(("primals", "tangents"))
+            if saved and last_use.get(used) is node:
+                level -= _bytes(used)
     return peak, peak_parts
