@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import itertools
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -44,10 +44,17 @@ class GraphContext:
     kind: str  # "forward", "backward" or "inference"
     input_roles: tuple = ()  # one role per dynamo input (see analysis.mutation)
     captured: object = None  # what the path's ``capture`` hook returned for this graph
+    segment: Optional[int] = None  # a part of the graph compiled on its own (XLA: segments, CPU fallback)
 
     @property
     def name(self) -> str:
-        return f"graph {self.graph_id} {self.kind}"
+        whole = f"graph {self.graph_id} {self.kind}"
+        return whole if self.segment is None else f"{whole} (segment {self.segment})"
+
+    def for_segment(self, index: int) -> "GraphContext":
+        """The context of the graph's ``index``-th segment: its inputs are not the graph's,
+        so it carries no input roles and nothing captured for the whole graph."""
+        return dataclasses.replace(self, input_roles=(), captured=None, segment=index)
 
 
 def graph_device_type(example_inputs: Sequence) -> str:

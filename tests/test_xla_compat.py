@@ -12,7 +12,7 @@ if HAS_TORCH_XLA:
 
     import donate_backend
     from donate_backend.xla import compat
-    from donate_backend.xla.lower import lower
+    from donate_backend.xla.lower import LoweringRequest, lower
     from xla_models import linear_sgd_momentum
 
 
@@ -89,7 +89,7 @@ def test_without_buffer_donor_bindings_nothing_is_donated(xla_device, monkeypatc
     monkeypatch.delattr(torch_xla._XLAC, name)
     assert not compat.supports_donation()
     inputs = [torch.randn(4).to(xla_device), torch.randn(4).to(xla_device)]
-    lowered = lower(_sgd_graph(), inputs, donors=[0], graph_name="graph 0 inference")
+    lowered = lower(LoweringRequest(_sgd_graph(), tuple(inputs), "graph 0 inference", donors=(0,)))
     assert lowered.donors == ()
     assert "donated" not in lowered.as_text()
 
@@ -248,7 +248,7 @@ def test_in_torch_xla_eager_mode_a_backup_between_steps_keeps_its_value(xla_devi
 def test_without_the_hlo_printer_there_is_no_hlo_text(xla_device, monkeypatch):
     monkeypatch.delattr(torch_xla._XLAC, "_get_xla_tensors_hlo")
     inputs = [torch.randn(4).to(xla_device), torch.randn(4).to(xla_device)]
-    lowered = lower(_sgd_graph(), inputs, donors=[0], graph_name="graph 0 inference", keep_hlo_text=True)
+    lowered = lower(LoweringRequest(_sgd_graph(), tuple(inputs), "graph 0 inference", donors=(0,), keep_hlo_text=True))
     assert lowered.hlo_text is None and "hlo:" not in lowered.as_text()
 
 

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 
 if HAS_TORCH_XLA:
     from donate_backend.errors import UnsupportedGraphError
-    from donate_backend.xla.lower import lower
+    from donate_backend.xla.lower import LoweringRequest, lower
     from donate_backend.xla.ops import has_xla_lowering
 
 
@@ -163,7 +163,7 @@ def test_item_read_in_graph_is_rejected(xla_device):
     graph.output((scalar,))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     with pytest.raises(UnsupportedGraphError, match=r"graph 7 inference: node '_local_scalar_dense\w*' .*\.item\(\)"):
-        lower(gm, [torch.randn(4).to(xla_device)], [], "graph 7 inference")
+        lower(LoweringRequest(gm, (torch.randn(4).to(xla_device),), "graph 7 inference"))
 
 
 def test_item_with_dynamo_graph_break_still_matches_eager(xla_device):

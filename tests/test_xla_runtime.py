@@ -43,6 +43,61 @@ def test_evicted_graph_is_recompiled_not_crashed():
     assert "OK 2" in out.stdout  # two graphs compiled once each, recompiled silently
 
 
+def _update_graph():
+    """p -= 2.5 * g, written back into p; returns g * 2."""
+    graph = torch.fx.Graph()
+    p, g = graph.placeholder("p"), graph.placeholder("g")
+    new = graph.call_function(torch.ops.aten.sub.Tensor, (p, graph.call_function(torch.ops.aten.mul.Tensor, (g, 2.5))))
+    graph.call_function(torch.ops.aten.copy_.default, (p, new))
+    graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (g, 2.0)),))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("variant", ["plain", "flagged"])
+def test_an_evicted_variant_is_lowered_again_from_its_own_request(xla_device, monkeypatch, variant):
+    """Each variant of an executable is its request with fields replaced; a variant the
+    cache evicted is lowered again from its own request and stays in its own slot (a
+    variant donating user-flagged buffers must not come back as the plain one)."""
+    from donate_backend.xla import compat as xla_compat
+    from donate_backend.xla.lower import LoweringRequest, lower
+    from donate_backend.xla.runtime import XlaExecutable
+
+    inputs = [torch.randn(4).to(xla_device), torch.randn(4).to(xla_device)]
+    request = LoweringRequest(_update_graph(), tuple(inputs), "graph 0 inference", donors=(0,))
+    executable = XlaExecutable("graph 0 inference", lower(request), requestable=(1,))
+    assert executable.lowered.request is request
+    flagged = frozenset({1})
+    if variant == "plain":
+        chosen = executable._plain_variant(inputs)
+        assert chosen.request == request.without_donation() and chosen.donors == ()
+    else:
+        chosen = executable._variant_with_flagged(flagged, inputs)
+        assert chosen.request == request.with_requested(flagged) and chosen.donors == (0, 1)
+
+    real_run, misses = xla_compat.run_cached_graph, []
+
+    def evicted_once(graph_hash, values):
+        if not misses:
+            misses.append(graph_hash)
+            raise RuntimeError("Failed to get computation by hash (evicted)")
+        return real_run(graph_hash, values)
+
+    monkeypatch.setattr(xla_compat, "run_cached_graph", evicted_once)
+    monkeypatch.setattr(xla_compat, "cache_may_have_evicted", lambda: True)
+    p0, g0 = inputs[0].cpu(), inputs[1].cpu()
+    ran, results = executable._run(chosen, inputs)
+    assert misses and ran is not chosen and ran.request == chosen.request and ran.donors == chosen.donors
+    assert executable.lowered.request is request  # the donating graph was not the one evicted
+    if variant == "plain":
+        assert executable._without_donation is ran and not executable._with_flagged
+    else:
+        assert executable._with_flagged[flagged] is ran and executable._without_donation is None
+    (slot,) = ran.outputs
+    assert slot.kind == "result" and torch.allclose(results[slot.index].cpu(), g0 * 2)
+    executable._write_back(inputs, ran, results)
+    assert torch.allclose(inputs[0].cpu(), p0 - 2.5 * g0)
+
+
 def test_donation_switch_recompiles_and_turns_aliasing_off():
     case = CASES["mlp_sgd_momentum"]
     on = train(case, backend="donate_xla", steps=3)

@@ -6,7 +6,7 @@ import torch
 from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
 
 if HAS_TORCH_XLA:
-    from donate_backend.xla.lower import lower
+    from donate_backend.xla.lower import LoweringRequest, lower
     from xla_capture import compiled_graphs, normalize_fx, normalize_hlo
 
 
@@ -58,7 +58,7 @@ def forward(self, primals_3, detach_3, tangents_1):
 
         sgd(param, grad)
         gm, inputs = compiled_graphs()["inference"]
-        lowered = lower(gm, inputs, donors=[0], graph_name="snapshot", keep_hlo_text=True)
+        lowered = lower(LoweringRequest(gm, tuple(inputs), "snapshot", donors=(0,), keep_hlo_text=True))
         self.assertExpectedInline(normalize_fx(gm.code), """\
 def forward(self, arg0_1, arg1_1):
     mul = torch.ops.aten.mul.Tensor(arg1_1, -0.5);  arg1_1 = None

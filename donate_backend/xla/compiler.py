@@ -23,7 +23,7 @@ from ..builds import BuildsPerSetting
 from . import compat, fallback, host, metrics, segments
 from . import memory as xla_memory
 from . import spmd
-from .lower import LoweredGraph, input_shardings, lower, sharding_signature
+from .lower import LoweredGraph, LoweringRequest, input_shardings, lower, sharding_signature
 from .runtime import PerSignatureExecutable, StitchedExecutable, XlaExecutable
 from .trace import check_inputs, host_input_bytes, output_nodes
 
@@ -48,7 +48,7 @@ def saved_bytes(gm, ctx) -> Optional[int]:
 
 def _num_user_outputs(ctx) -> Optional[int]:
     """For forward graphs: outputs at or past this index are saved for backward."""
-    if ctx.kind != "forward" or getattr(ctx, "segment", None) is not None:
+    if ctx.kind != "forward" or ctx.segment is not None:
         return None
     return torch_compat.forward_output_count()
 
@@ -72,8 +72,9 @@ class DonorChoice:
 
 
 def _requested_donors(ctx) -> tuple:
-    captured = getattr(ctx, "captured", None)
-    return tuple(getattr(captured, "requested_donors", ()) or ()) if ctx.kind != "backward" else ()
+    if ctx.kind == "backward" or ctx.captured is None:
+        return ()
+    return tuple(ctx.captured.requested_donors)
 
 
 def choose_donors(gm, example_inputs, ctx, roles) -> DonorChoice:
@@ -213,7 +214,7 @@ def _split_backward(gm, ctx, settings: config.Settings, symbolic: bool) -> Optio
     SPMD (gradient shardings are pinned per whole backward) or stitched steps
     (XLA schedules the whole step as one executable there).
     """
-    if ctx.kind != "backward" or getattr(ctx, "segment", None) is not None:
+    if ctx.kind != "backward" or ctx.segment is not None:
         return None
     if symbolic or compat.is_spmd() or settings.stitch:
         return None
@@ -255,7 +256,7 @@ def compile_graph(gm, example_inputs, ctx):
             )
         )
         return fallback.compile_segments(around_cpu_ops, ctx, compile_graph, torch_xla.device())
-    roles = tuple(getattr(ctx, "input_roles", ()) or ())
+    roles = tuple(ctx.input_roles)
     symbolic = is_symbolic(example_inputs)
     check_inputs(example_inputs, ctx.name)
 
@@ -279,24 +280,20 @@ def compile_graph(gm, example_inputs, ctx):
 
         on_host = host.host_part(gm, check_inputs(examples, ctx.name))
 
-        def relower(donate: bool, call_args=None, flagged=()) -> LoweredGraph:
-            return lower(
-                gm, examples, active if donate else [], ctx.name,
-                requested_donors=sorted(set(requested) | set(flagged)) if donate else [],
-                real_inputs=call_args if real_inputs is not None else None,
-                output_shardings=pinned,
-                host_values=on_host,
-                stitch=stitch,
-            )
+        request = LoweringRequest(
+            gm, tuple(examples), ctx.name,
+            donors=tuple(active), requested_donors=tuple(sorted(requested)),
+            sharded=real_inputs is not None, output_shardings=pinned, host_values=on_host, stitch=stitch,
+        )
 
         start, before = time.perf_counter(), metrics.transfer_snapshot()
         # aot_autograd increments the versions of inputs a forward or inference graph
         # mutates before each call; its backward increments nothing
         bumped = frozenset() if ctx.kind == "backward" else compat.aot_version_bumped_inputs()
-        lowered = relower(True, real_inputs)
+        lowered = lower(request, real_inputs)
         if stitch and not lowered.params:  # torch_xla's user computations need an operand:
             stitch = False  # a graph that reads nothing (it makes constants) runs on its own
-            lowered = relower(True, real_inputs)
+            lowered = lower(dataclasses.replace(request, stitch=False), real_inputs)
         seconds = time.perf_counter() - start
         transfers = metrics.transfer_snapshot().minus(before)
         predicted_at = time.perf_counter()
@@ -345,7 +342,7 @@ def compile_graph(gm, example_inputs, ctx):
                 donors=choice.donors if donation else (), version_bumped=bumped, on_call=on_call,
             )
         return XlaExecutable(
-            ctx.name, lowered, relower, host_values=on_host, version_bumped=bumped,
+            ctx.name, lowered, host_values=on_host, version_bumped=bumped,
             record_outputs=ctx.kind == "inference", requested=frozenset(requested),
             requestable=choice.requestable if donation and real_inputs is None else (),
             sharded=compat.is_spmd(), on_call=on_call,
@@ -362,7 +359,7 @@ def compile_graph(gm, example_inputs, ctx):
                 "chosen to fit memory_limit: " if gm.meta.get(xla_memory.SEGMENTS_META) else "chosen automatically: "
             )
             _record_split(split, ctx, len(example_inputs), how)
-            return segments.compile_split(split, ctx, compile_graph, fallback.SegmentContext)
+            return segments.compile_split(split, ctx, compile_graph)
         if symbolic or compat.is_spmd():
             return PerSignatureExecutable(
                 ctx.name,

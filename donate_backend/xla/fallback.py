@@ -149,8 +149,7 @@ def compile_segments(segments: Segments, ctx, compile_segment: Callable, device:
         if name in segments.fallback_names:
             setattr(top, name, _Segment(on_cpu(submodule, device), boxed=False, single_output=False))
             continue
-        segment_ctx = SegmentContext(ctx, k)
-        compiled = compile_segment(submodule, segment_example_inputs(submodule), segment_ctx)
+        compiled = compile_segment(submodule, segment_example_inputs(submodule), ctx.for_segment(k))
         setattr(top, name, _Segment(compiled, boxed=True, single_output=returns_one_value(submodule)))
 
     def run(args):
@@ -160,15 +159,3 @@ def compile_segments(segments: Segments, ctx, compile_segment: Callable, device:
 
     run._boxed_call = True
     return run
-
-
-class SegmentContext:
-    """The graph's context, renamed for one of its segments."""
-
-    def __init__(self, ctx, index: int):
-        self.graph_id = ctx.graph_id
-        self.kind = ctx.kind
-        self.input_roles = ()  # roles name the whole graph's inputs, not a segment's
-        self.captured = None
-        self.segment = index
-        self.name = f"{ctx.name} (segment {index})"

@@ -1,6 +1,7 @@
 """Lowering: an FX graph and fake inputs -> compiled HLO in torch_xla's cache.
 
-Three stages, each with an artefact you can print:
+A ``LoweringRequest`` (frozen data: graph, inputs, donors, shardings, host part,
+stitched or not) goes through three stages, each with an artefact you can print:
 
 1. ``trace``: the graph runs on placeholder tensors (no device data, so
    nothing is sent to the device); donors are flagged first
@@ -38,7 +39,7 @@ from .trace import TracedGraph, check_inputs, input_specs, meta_device, output_n
 
 log = logging.getLogger("donate_xla")
 
-__all__ = ["LoweredGraph", "HloParam", "OutputSlot", "lower", "check_inputs", "graph_fingerprint"]
+__all__ = ["LoweringRequest", "LoweredGraph", "HloParam", "OutputSlot", "lower", "check_inputs", "graph_fingerprint"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,7 @@ class LoweredGraph:
     computation: object = None
     # seconds per stage: ("trace", ...), ("plan", ...), ("xla compile", ...)
     phases: tuple = ()
+    request: Optional["LoweringRequest"] = dataclasses.field(default=None, repr=False, compare=False)
 
     def as_text(self) -> str:
         head = f"{self.graph_name}: lowered"
@@ -73,34 +75,75 @@ class LoweredGraph:
         return "\n".join(lines)
 
 
-def lower(
-    gm: torch.fx.GraphModule,
-    example_inputs: Sequence,
-    donors: Sequence[int],
-    graph_name: str,
-    keep_hlo_text: bool = False,
-    real_inputs: Optional[Sequence] = None,
-    output_shardings: Optional[dict] = None,
-    requested_donors: Sequence[int] = (),
-    host_values=None,
-    stitch: bool = False,
-) -> LoweredGraph:
-    """Trace ``gm`` on placeholders, plan its results and parameters, compile it.
+@dataclasses.dataclass(frozen=True)
+class LoweringRequest:
+    """Stage 0: what to lower, as data. An executable makes its variants (without
+    donation, with inputs the user flagged, after a cache eviction) by replacing
+    fields of the request it was built from, never by calling back into the
+    compiler.
 
-    ``real_inputs`` (SPMD): the call's device tensors. The graph is then traced
-    on lazy clones of them, so each HLO parameter carries its input's sharding
-    (no data moves), and every write-back keeps its input's sharding.
-    ``requested_donors`` are donated without a write-back (the user asked for
-    it: their buffers are invalid after the call). ``output_shardings`` pins the sharding of graph outputs by position,
-    ``{position: (shape, OpSharding)}``, where the shape matches (a backward's
-    gradients: see ``spmd.py``). ``host_values`` (``host.HostPart``): write-backs and
-    outputs computed on the host instead. ``stitch``: build the XLA computation
-    (for lazy IR to call) instead of compiling an executable.
+    The call's device tensors are not part of it: under SPMD (``sharded``) each
+    lowering takes the call's inputs (``lower(request, real_inputs)``), so a
+    request keeps no device buffer alive.
+    """
+
+    graph: torch.fx.GraphModule
+    example_inputs: tuple  # fake tensors and host scalars, as the graph's inputs
+    graph_name: str
+    donors: tuple = ()  # inputs the graph overwrites, donated to their new values
+    requested_donors: tuple = ()  # donated with no write-back (their buffers are invalid after)
+    sharded: bool = False  # SPMD: traced on lazy clones of the call's inputs
+    # a backward's gradients pinned to their leaves' shardings: {position: (shape, OpSharding)}
+    output_shardings: Optional[dict] = dataclasses.field(default=None, compare=False)
+    host_values: object = None  # host.HostPart: write-backs and outputs computed on the host
+    stitch: bool = False  # an XLA computation for lazy IR to call, not an executable
+    keep_hlo_text: bool = False
+
+    def without_donation(self) -> "LoweringRequest":
+        return dataclasses.replace(self, donors=(), requested_donors=())
+
+    def with_requested(self, flagged) -> "LoweringRequest":
+        """Also donating ``flagged`` inputs (buffers the user flagged for donation)."""
+        return dataclasses.replace(self, requested_donors=tuple(sorted(set(self.requested_donors) | set(flagged))))
+
+    def as_text(self) -> str:
+        parts = [f"{self.graph_name}: lowering request, {len(self.example_inputs)} inputs",
+                 f"donors {list(self.donors)}"]
+        if self.requested_donors:
+            parts.append(f"requested donors {list(self.requested_donors)}")
+        if self.sharded:
+            parts.append("sharded" + (f", {len(self.output_shardings)} outputs pinned" if self.output_shardings else ""))
+        if self.host_values is not None:
+            parts.append("with a host part")
+        if self.stitch:
+            parts.append("stitched")
+        return "; ".join(parts)
+
+
+def lower(request: LoweringRequest, real_inputs: Optional[Sequence] = None) -> LoweredGraph:
+    """Trace the request's graph on placeholders, plan its results and parameters,
+    compile it. The result keeps its request (``LoweredGraph.request``).
+
+    ``real_inputs`` (SPMD, ``request.sharded``): the call's device tensors. The
+    graph is then traced on lazy clones of them, so each HLO parameter carries
+    its input's sharding (no data moves), and every write-back keeps its
+    input's sharding. ``requested_donors`` are donated without a write-back
+    (the user asked for it: their buffers are invalid after the call).
+    ``output_shardings`` pins the sharding of graph outputs by position, where
+    the shape matches (a backward's gradients: see ``spmd.py``). ``stitch``:
+    build the XLA computation (for lazy IR to call) instead of compiling an
+    executable.
 
     A failure is raised as ``UnsupportedGraphError`` with the original
     exception chained; its traceback's frames are cleared first, so it keeps
     no placeholder alive.
     """
+    if request.sharded != (real_inputs is not None):
+        raise ValueError(f"{request.graph_name}: a sharded request is lowered on the call's inputs, and only it")
+    gm, example_inputs, graph_name = request.graph, request.example_inputs, request.graph_name
+    donors, requested_donors = request.donors, request.requested_donors
+    output_shardings, host_values, stitch = request.output_shardings, request.host_values, request.stitch
+    keep_hlo_text = request.keep_hlo_text
     mappings.check_room(graph_name)  # a clear error, not a crash, when XLA:CPU's kernels used them up
     supported = compat.supports_donation()
     written_donors = tuple(donors) if supported else ()
@@ -120,7 +163,7 @@ def lower(
     except Exception as exc:  # noqa: BLE001 - re-raised with the graph's name
         raise _lowering_error(exc, traced) from _without_frames(exc)
     transfers = metrics.transfer_snapshot().minus(before)
-    return dataclasses.replace(lowered, transfers=transfers)
+    return dataclasses.replace(lowered, transfers=transfers, request=request)
 
 
 def _lower_live(

@@ -23,7 +23,7 @@ import torch_xla.core.xla_model as xm
 
 from ..errors import DonateXlaError
 from . import compat, ownership
-from .lower import LoweredGraph
+from .lower import LoweredGraph, LoweringRequest, lower
 from .plan import check_results
 
 log = logging.getLogger("donate_xla")
@@ -63,7 +63,6 @@ class XlaExecutable:
         self,
         graph_name: str,
         lowered: LoweredGraph,
-        relower: Callable[[bool, list], LoweredGraph],
         host_values=None,
         version_bumped: Optional[frozenset] = None,
         record_outputs: bool = False,
@@ -74,8 +73,7 @@ class XlaExecutable:
     ):
         self.graph_name = graph_name
         self._on_call = on_call  # after each call, notes for the memory plan (xla.memory.note_call)
-        self.lowered = lowered
-        self._relower = relower
+        self.lowered = lowered  # its request (lowered.request) makes the variants
         self._without_donation: Optional[LoweredGraph] = None
         self.device = torch_xla.device()
         self.calls_without_donation = 0  # calls where a donor shared its buffer
@@ -139,9 +137,13 @@ class XlaExecutable:
             ownership.installed.record(fresh, pins)
         return outputs
 
+    def _lower(self, request: LoweringRequest, device_args: list) -> LoweredGraph:
+        """A variant of this graph (no data moves; under SPMD on the call's inputs)."""
+        return lower(request, device_args if request.sharded else None)
+
     def _plain_variant(self, device_args: list) -> LoweredGraph:
         if self._without_donation is None:
-            self._without_donation = self._relower(False, device_args)
+            self._without_donation = self._lower(self.lowered.request.without_donation(), device_args)
         return self._without_donation
 
     def _device_args(self, args: list) -> list:
@@ -168,7 +170,7 @@ class XlaExecutable:
 
     def _variant_with_flagged(self, flagged: frozenset, device_args: list) -> LoweredGraph:
         if flagged not in self._with_flagged:
-            self._with_flagged[flagged] = self._relower(True, device_args, flagged)
+            self._with_flagged[flagged] = self._lower(self.lowered.request.with_requested(flagged), device_args)
         return self._with_flagged[flagged]
 
     def _choose_variant(self, args: list, device_args: list) -> tuple:
@@ -266,13 +268,16 @@ class XlaExecutable:
                 ) from exc
             # Evicted from torch_xla's LRU cache: compile again (no data moves) and retry.
             self._settle_if_sharded()  # SPMD lowers on the real buffers, reading their handles
-            was_main = lowered is self.lowered
-            lowered = self._relower(bool(lowered.donors), device_args)
+            evicted, lowered = lowered, self._lower(lowered.request, device_args)
             self.last_call = lowered
-            if was_main:
+            if evicted is self.lowered:
                 self.lowered = lowered
-            else:
+            elif evicted is self._without_donation:
                 self._without_donation = lowered
+            else:
+                for flagged, variant in self._with_flagged.items():
+                    if variant is evicted:
+                        self._with_flagged[flagged] = lowered
             results = compat.run_cached_graph(lowered.graph_hash, self._param_values(lowered, device_args))
         if lowered.graph_hash not in self._checked:
             check_results(results, lowered.results, self.graph_name)

@@ -257,11 +257,11 @@ class ReleasingRunner:
         raise RuntimeError("donate_xla: a split backward has no output node")
 
 
-def compile_split(split: SplitBackward, ctx, compile_segment: Callable, context: Callable) -> ReleasingRunner:
+def compile_split(split: SplitBackward, ctx, compile_segment: Callable) -> ReleasingRunner:
     """Compile each segment with ``compile_segment(submodule, example_inputs,
-    context(ctx, k))`` (the XLA path's ``compile_graph``)."""
+    ctx.for_segment(k))`` (the XLA path's ``compile_graph``)."""
     compiled = {}
     for k, (name, submodule) in enumerate(split.top.named_children()):
-        run = compile_segment(submodule, segment_example_inputs(submodule), context(ctx, k))
+        run = compile_segment(submodule, segment_example_inputs(submodule), ctx.for_segment(k))
         compiled[name] = (run, returns_one_value(submodule))
     return ReleasingRunner(split, compiled)
