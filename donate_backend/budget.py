@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 import torch
 import torch.fx
@@ -30,6 +31,15 @@ log = logging.getLogger("donate_xla")
 
 SHARES = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)  # activation budgets tried under a memory limit
 CHOICE_META = "donate_xla_budget_choice"  # forward module meta: what the limit chose, as text
+# forward module meta: seconds spent choosing (the candidates' partitions and predictions)
+PLAN_SECONDS_META = "donate_xla_plan_seconds"
+PLAN_PHASE = "memory limit plan"  # the phase of a forward's compile_seconds those seconds are
+
+
+def plan_phase(fw_module: torch.fx.GraphModule) -> tuple:
+    """``((PLAN_PHASE, seconds),)`` for a forward a memory limit was planned for, else ()."""
+    seconds = fw_module.meta.get(PLAN_SECONDS_META)
+    return ((PLAN_PHASE, seconds),) if seconds is not None else ()
 
 
 class MemoryLimitError(DonateXlaError):
@@ -58,6 +68,7 @@ def partition(min_cut, *args, fit: bool = False, predict_step=None, **kwargs):
 
 def _fit(min_cut, settings, predict_step, joint, *args, **kwargs):
     limit = settings.memory_limit
+    started = time.perf_counter()
     tried = []
     shares = [s for s in SHARES if s <= settings.activation_budget] or [settings.activation_budget]
     for share in shares:
@@ -70,6 +81,7 @@ def _fit(min_cut, settings, predict_step, joint, *args, **kwargs):
                 f"activation budget {share:g} chosen under memory_limit {_mib(limit)} "
                 f"(predicted step peak {_mib(peak)}; tried {', '.join(f'{s:g}: {_mib(p)}' for s, p, _ in tried)})"
             )
+            fw_module.meta[PLAN_SECONDS_META] = time.perf_counter() - started
             return fw_module, bw_module
     share, least, parts = min(tried, key=lambda t: t[1])
     largest = ", ".join(f"{c} {_mib(b)}" for c, b in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if b > 0)

@@ -160,6 +160,11 @@ def format_record(r: GraphRecord) -> str:
             f"  run in {r.backward_segments} segments (records follow): {r.released_bytes} B of saved "
             "tensors and incoming gradients released before the last one runs"
         )
+    if r.segments_choice:
+        lines.append(f"  segments {r.segments_choice}")
+    if r.budget_choice:
+        planned = dict(r.phases).get("memory limit plan")
+        lines.append(f"  {r.budget_choice}" + (f"; planned in {planned:.3f}s" if planned is not None else ""))
     if r.stitched:
         lines.append(
             "  stitched: runs inside the lazy whole-step graph; the sync donates the parameters' and "

@@ -325,6 +325,18 @@ def test_a_memory_limit_below_the_default_peak_is_met_with_eager_values():
     print(f"\ndefault growth {default_growth / 2**20:.1f} MiB; under the limit {growth / 2**20:.1f} MiB\n{choice.as_text()}")
     assert choice.resident_bytes + growth <= limit
     assert any("chosen under memory_limit" in c for c in choice.choices)
+    _assert_planning_time_reported(donate_backend.reports())
+
+
+def _assert_planning_time_reported(records):
+    """The forward a limit was planned for counts the planning in its compile time, by
+    phase, and its report line names the choice and that time."""
+    (planned,) = [r for r in records if r.budget_choice]
+    phases = dict(planned.phases)
+    assert phases["memory limit plan"] > 0
+    assert planned.compile_seconds >= phases["memory limit plan"]
+    line = donate_backend.format_record(planned)
+    assert "chosen under memory_limit" in line and f"planned in {phases['memory limit plan']:.3f}s" in line
 
 
 def test_an_impossible_memory_limit_is_refused_before_anything_runs():

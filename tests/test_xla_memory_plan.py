@@ -137,6 +137,10 @@ def test_a_memory_limit_on_the_xla_path_is_met_by_recomputing_with_eager_values(
     )
     assert plan.peak_bytes > limit >= fitted.peak_bytes
     assert any("chosen under memory_limit" in c for c in fitted.choices)
+    (planned,) = [r for r in donate_backend.reports() if r.budget_choice]
+    seconds = dict(planned.phases)["memory limit plan"]
+    assert 0 < seconds <= planned.compile_seconds
+    assert f"planned in {seconds:.3f}s" in donate_backend.format_record(planned)
 
 
 def test_a_memory_limit_met_by_backward_segments_recomputes_nothing(xla_device):

@@ -77,7 +77,9 @@ class CompiledGraph:
             num_inputs=len(example_inputs),
             held_inputs=_held_inputs(ctx) if ctx.kind != "backward" else (),
             budget_choice=gm.meta.get(budget.CHOICE_META),
+            phases=budget.plan_phase(gm),
         )
+        self.record.compile_seconds = sum(s for _, s in self.record.phases)
         self._builds = builds.BuildsPerSetting(self._build)
         self._current: Optional[executor.Built] = None
         self._current_build()  # for the settings in force: built now, inside aot_autograd

@@ -301,7 +301,7 @@ def compile_graph(gm, example_inputs, ctx):
             gm, ctx.name, ctx.kind, donors=lowered.donors if not stitch else (choice.donors if donation else ()),
             forward_returns=_num_user_outputs(ctx),
         )
-        phases = (("donors", start - analysed),) + lowered.phases + (
+        phases = budget.plan_phase(gm) + (("donors", start - analysed),) + lowered.phases + (
             ("memory prediction", time.perf_counter() - predicted_at),
         )
         record = report.add(
