@@ -224,7 +224,7 @@ def test_each_parameter_gets_its_own_buffer_back_so_xla_copies_none(tmp_path):
 
 
 def test_donor_order_is_refined_until_it_settles():
-    from donate_backend.xla.lower import settle_donor_order
+    from donate_backend.xla.plan import settle_donor_order
 
     assert settle_donor_order(lambda order: [2, 0], 4) == ([2, 0, 1, 3], True)
     assert settle_donor_order(lambda order: [], 3) == ([0, 1, 2], True)  # no donors: order kept

@@ -23,7 +23,7 @@ from ..builds import BuildsPerSetting
 from . import compat, fallback, host, metrics, segments
 from . import memory as xla_memory
 from . import spmd
-from .lower import LoweredGraph, LoweringRequest, input_shardings, lower, sharding_signature
+from .lower import LoweredGraph, LoweringRequest, lower
 from .runtime import PerSignatureExecutable, StitchedExecutable, XlaExecutable
 from .trace import check_inputs, host_input_bytes, output_nodes
 
@@ -273,7 +273,7 @@ def compile_graph(gm, example_inputs, ctx):
 
         pinned = None
         if real_inputs is not None and ctx.kind == "forward":
-            spmd.remember_forward_inputs(ctx.graph_id, real_inputs, input_shardings(real_inputs))
+            spmd.remember_forward_inputs(ctx.graph_id, real_inputs, spmd.input_shardings(real_inputs))
         elif real_inputs is not None and ctx.kind == "backward":
             count = len(output_nodes(gm))
             pinned = spmd.gradient_shardings(ctx.graph_id, count, spmd.gradient_leaves(ctx.graph_id, count))
@@ -317,7 +317,7 @@ def compile_graph(gm, example_inputs, ctx):
                 constants_uploaded=lowered.constants_uploaded,
                 donated=_donation_record(
                     examples, lowered.donors, roles, ctx.kind,
-                    sharding_signature(real_inputs) if real_inputs is not None else (),
+                    spmd.sharding_signature(real_inputs) if real_inputs is not None else (),
                     requested=set(requested),
                 ),
                 excluded=list(choice.exclusions),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import logging
 import os
 import tempfile
 import time
@@ -34,10 +33,11 @@ import torch_xla
 from .. import config
 from ..errors import DonateXlaError, UnsupportedGraphError
 from . import compat, mappings, metrics, spmd
-from .plan import HloParam, LoweringMismatchError, OutputSlot, describe, plan_parameters, plan_results
+from .plan import (
+    HloParam, LoweringMismatchError, OutputSlot, describe, donors_first_order, plan_parameters, plan_results,
+)
 from .trace import TracedGraph, check_inputs, input_specs, meta_device, output_nodes, traced_on_placeholders
 
-log = logging.getLogger("donate_xla")
 
 __all__ = ["LoweringRequest", "LoweredGraph", "HloParam", "OutputSlot", "lower", "check_inputs", "graph_fingerprint"]
 
@@ -171,9 +171,9 @@ def _lower_live(
     host_values, stitch,
 ) -> LoweredGraph:
     to_host = [(meta_device(n) or torch.device("xla")).type == "cpu" for n in output_nodes(gm)]
-    shardings = input_shardings(real_inputs) if real_inputs is not None else {}
+    shardings = spmd.input_shardings(real_inputs) if real_inputs is not None else {}
     if shardings:  # replicated optimizer state takes its parameter's sharding
-        specs = sharding_signature(real_inputs)
+        specs = spmd.sharding_signature(real_inputs)
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else () for t in example_inputs]
         for i, source in spmd.inherited_shardings(gm, specs, shapes).items():
             shardings[i] = shardings[source]
@@ -197,8 +197,8 @@ def _lower_live(
                 pinned = output_shardings.get(position)
                 if slot.kind == "result" and pinned and tuple(plan.tensors[slot.index].shape) == pinned[0]:
                     compat.annotate_sharding(plan.tensors[slot.index], pinned[1])
-            plan.reorder(_donors_first_order(plan, donors, live))
-            fingerprint = graph_fingerprint(gm, example_inputs, donors, sharding_signature(real_inputs))
+            plan.reorder(donors_first_order(plan, donors, live))
+            fingerprint = graph_fingerprint(gm, example_inputs, donors, spmd.sharding_signature(real_inputs))
             plan.tensors.append(_fingerprint_output(fingerprint))
             params = plan_parameters(plan.tensors, live, example_inputs, graph_name)
             graph_hash = compat.graph_hash(plan.tensors)
@@ -282,31 +282,6 @@ def dump_failed_graph(traced: TracedGraph, exc: BaseException) -> Optional[str]:
     return path
 
 
-def input_shardings(real_inputs: Sequence) -> dict:
-    """Input index -> ``OpSharding`` of each XLA input that is split over devices.
-
-    Replicated inputs are left out: the new value of a replicated optimizer
-    state may take its gradient's sharding instead (what eager SPMD does).
-    """
-    signature = sharding_signature(real_inputs)
-    return {
-        i: compat.op_sharding(t)
-        for i, (t, spec) in enumerate(zip(real_inputs, signature))
-        if spec and spec != "{replicated}"
-    }
-
-
-def sharding_signature(real_inputs: Optional[Sequence]) -> tuple:
-    """The sharding spec of every XLA input ("" for none); () without real inputs."""
-    if real_inputs is None:
-        return ()
-    xla_inputs = [t for t in real_inputs if isinstance(t, torch.Tensor) and t.device.type == "xla"]
-    specs = iter(compat.sharding_specs(xla_inputs))
-    return tuple(
-        next(specs) if isinstance(t, torch.Tensor) and t.device.type == "xla" else None for t in real_inputs
-    )
-
-
 def graph_fingerprint(
     gm: torch.fx.GraphModule, example_inputs: Sequence, donors: Sequence[int], shardings: tuple = ()
 ) -> int:
@@ -343,49 +318,3 @@ def _compile_into_cache(results: list, graph_hash) -> int:
     if samples_after > samples_before:
         _alias_count_of_hash[graph_hash] = int(aliases_after - aliases_before)
     return _alias_count_of_hash.get(graph_hash, 0)
-
-
-# -- the donor order ---------------------------------------------------------------------
-
-def donors_first(donor_results: Sequence[int], result_count: int) -> list[int]:
-    """A result order (new position -> old index): ``donor_results`` first, in
-    the order given, then every other result in its old order."""
-    chosen = set(donor_results)
-    return list(donor_results) + [i for i in range(result_count) if i not in chosen]
-
-
-def _donors_first_order(plan, donors: Sequence[int], live) -> list[int]:
-    """Order the results so that XLA pairs each donor with its own new value.
-
-    XLA's buffer-donor pass (OptimizeInputOutputBufferAlias) pairs donors and
-    outputs of equal byte size in order: the k-th donor among the HLO
-    parameters with the k-th output. When a parameter and its same-shaped
-    momentum are paired the other way round, XLA must copy both to keep the old
-    values readable, which cost 150 MiB of temporaries in a 52M-parameter SGD
-    step.
-    """
-    donor_set = set(donors)
-    result_of_input = {i: r for i, r in plan.writebacks if i in donor_set}
-    if not result_of_input:
-        return list(range(len(plan.tensors)))
-    def donor_results_in_parameter_order(order: list[int]) -> list[int]:
-        _, _, inputs = live.data_read_by([plan.tensors[i] for i in order])
-        return [result_of_input[i] for i in inputs if i in result_of_input]
-
-    order, stable = settle_donor_order(donor_results_in_parameter_order, len(plan.tensors))
-    if not stable:
-        log.debug("donor order did not settle; XLA may copy some donors (memory only, values are right)")
-    return order
-
-
-def settle_donor_order(donor_results_in_parameter_order, result_count: int, rounds: int = 4):
-    """Put the donors' results first in the order their donors take among the
-    HLO parameters. That order follows the traversal of the results, so it is
-    refined until it no longer changes. Returns (order, whether it settled)."""
-    order = list(range(result_count))
-    for _ in range(rounds):
-        donor_results = donor_results_in_parameter_order(order)
-        if order[: len(donor_results)] == donor_results:
-            return order, True
-        order = donors_first(donor_results, result_count)
-    return order, False

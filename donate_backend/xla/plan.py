@@ -27,12 +27,15 @@ A mismatch is a ``LoweringMismatchError`` naming the graph and the input.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Optional, Sequence
 
 import torch
 
 from ..errors import DonateXlaError
 from . import compat
+
+log = logging.getLogger("donate_xla")
 
 
 class LoweringMismatchError(DonateXlaError):
@@ -250,3 +253,49 @@ def describe(params: Sequence[HloParam], specs: Sequence[ResultSpec], writebacks
     if passthrough:
         lines.append("not computed: " + "; ".join(passthrough))
     return "\n".join(lines)
+
+
+# -- the donor order ---------------------------------------------------------------------
+
+def donors_first(donor_results: Sequence[int], result_count: int) -> list[int]:
+    """A result order (new position -> old index): ``donor_results`` first, in
+    the order given, then every other result in its old order."""
+    chosen = set(donor_results)
+    return list(donor_results) + [i for i in range(result_count) if i not in chosen]
+
+
+def donors_first_order(plan, donors: Sequence[int], live) -> list[int]:
+    """Order the results so that XLA pairs each donor with its own new value.
+
+    XLA's buffer-donor pass (OptimizeInputOutputBufferAlias) pairs donors and
+    outputs of equal byte size in order: the k-th donor among the HLO
+    parameters with the k-th output. When a parameter and its same-shaped
+    momentum are paired the other way round, XLA must copy both to keep the old
+    values readable, which cost 150 MiB of temporaries in a 52M-parameter SGD
+    step.
+    """
+    donor_set = set(donors)
+    result_of_input = {i: r for i, r in plan.writebacks if i in donor_set}
+    if not result_of_input:
+        return list(range(len(plan.tensors)))
+    def donor_results_in_parameter_order(order: list[int]) -> list[int]:
+        _, _, inputs = live.data_read_by([plan.tensors[i] for i in order])
+        return [result_of_input[i] for i in inputs if i in result_of_input]
+
+    order, stable = settle_donor_order(donor_results_in_parameter_order, len(plan.tensors))
+    if not stable:
+        log.debug("donor order did not settle; XLA may copy some donors (memory only, values are right)")
+    return order
+
+
+def settle_donor_order(donor_results_in_parameter_order, result_count: int, rounds: int = 4):
+    """Put the donors' results first in the order their donors take among the
+    HLO parameters. That order follows the traversal of the results, so it is
+    refined until it no longer changes. Returns (order, whether it settled)."""
+    order = list(range(result_count))
+    for _ in range(rounds):
+        donor_results = donor_results_in_parameter_order(order)
+        if order[: len(donor_results)] == donor_results:
+            return order, True
+        order = donors_first(donor_results, result_count)
+    return order, False

@@ -402,7 +402,7 @@ class PerSignatureExecutable:
         self.by_signature: dict = {}
 
     def __call__(self, args: list):
-        from .lower import sharding_signature
+        from .spmd import sharding_signature
 
         args = list(args)
         device_args = materialized_device_args(args, self.device)

@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .. import autograd_compat
+from . import compat
 
 
 class ForwardInputs(NamedTuple):
@@ -147,3 +148,28 @@ def _ancestors(node) -> set:
                 seen.add(arg)
                 stack.append(arg)
     return seen
+
+
+def input_shardings(real_inputs: Sequence) -> dict:
+    """Input index -> ``OpSharding`` of each XLA input that is split over devices.
+
+    Replicated inputs are left out: the new value of a replicated optimizer
+    state may take its gradient's sharding instead (what eager SPMD does).
+    """
+    signature = sharding_signature(real_inputs)
+    return {
+        i: compat.op_sharding(t)
+        for i, (t, spec) in enumerate(zip(real_inputs, signature))
+        if spec and spec != "{replicated}"
+    }
+
+
+def sharding_signature(real_inputs: Optional[Sequence]) -> tuple:
+    """The sharding spec of every XLA input ("" for none); () without real inputs."""
+    if real_inputs is None:
+        return ()
+    xla_inputs = [t for t in real_inputs if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+    specs = iter(compat.sharding_specs(xla_inputs))
+    return tuple(
+        next(specs) if isinstance(t, torch.Tensor) and t.device.type == "xla" else None for t in real_inputs
+    )
