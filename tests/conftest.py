@@ -66,7 +66,7 @@ _WORKER_MAPPINGS = {}  # pytest-xdist worker id -> its memory mappings at the en
 
 
 def _mappings() -> str:
-    from donate_backend.xla.mappings import mapping_count, mapping_limit
+    from donate_backend.xla.mmap_guard import mapping_count, mapping_limit
 
     return f"{mapping_count()} of {mapping_limit()}"
 

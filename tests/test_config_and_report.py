@@ -200,7 +200,7 @@ def test_every_error_names_a_section_of_the_troubleshooting_page_that_exists():
         for line in (root / "docs" / "troubleshooting.md").read_text().splitlines()
         if line.startswith("## ")
     }
-    for module in ("donate_backend.xla.mappings", "donate_backend.xla.plan", "donate_backend.xla.compat"):
+    for module in ("donate_backend.xla.mmap_guard", "donate_backend.xla.plan", "donate_backend.xla.compat"):
         try:
             importlib.import_module(module)
         except ImportError:  # the XLA modules, where torch_xla is not installed

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from donate_backend.ddp import plan
+from donate_backend.ddp import parameters
 
 from ddp_harness import run_job, run_jobs, train
 
@@ -323,12 +323,12 @@ def test_join_dividing_by_initial_world_size_keeps_buckets():
 def test_input_param_indices_by_identity():
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
     x = torch.zeros(2)
-    assert plan.input_param_indices([x, b, a, 3], [a, b]) == (None, 1, 0, None)
+    assert parameters.input_param_indices([x, b, a, 3], [a, b]) == (None, 1, 0, None)
 
 
 def test_gradient_outputs_pairs_and_mismatch():
     graph = torch.fx.Graph()
     g0, g1 = graph.placeholder("g0"), graph.placeholder("g1")
-    assert plan.gradient_outputs([None, g0, g1], (None, 0, 1)) == [(1, 0), (2, 1)]
-    assert plan.gradient_outputs([g0, None], (0, 1)) == [(0, 0)]
-    assert plan.gradient_outputs([g0], (0, 1)) is None
+    assert parameters.gradient_outputs([None, g0, g1], (None, 0, 1)) == [(1, 0), (2, 1)]
+    assert parameters.gradient_outputs([g0, None], (0, 1)) == [(0, 0)]
+    assert parameters.gradient_outputs([g0], (0, 1)) is None

@@ -1,6 +1,6 @@
 """The dynamo adjustment in donate_backend/dynamo_compat.py: installed on this torch,
 once, and a no-op where the private method it wraps is gone. (Its effect on
-training is tested on XLA in test_xla_trust.py.)"""
+training is tested on XLA in test_xla_training_programs.py.)"""
 import torch
 from conftest import HAS_TORCH_XLA
 

@@ -79,3 +79,19 @@ def test_the_fence_leaves_strings_public_names_and_the_op_type_alone():
         "ok = isinstance(op, torch._ops.OpOverload)\ny = torch.ops.aten.add.Tensor\n"
     )
     assert private_uses(source) == []
+
+
+def test_contributing_names_every_module():
+    """CONTRIBUTING's layout table names every module of the package (by file name, with
+    its package's folder in the same row), so a newcomer finds each one's job there."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    rows = [line for line in (root / "CONTRIBUTING.md").read_text().splitlines() if line.startswith("| `donate_backend/")]
+    missing = []
+    for path in sorted((root / "donate_backend").rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if path.name == "__init__.py" and path.parent.name != "xla":
+            continue  # a package's __init__ is its folder's row
+        folder = path.parent.relative_to(root).as_posix() + "/"
+        if not any(f"`{relative}`" in row or (f"`{folder}`" in row and f"`{path.name}`" in row) for row in rows):
+            missing.append(relative)
+    assert not missing, f"CONTRIBUTING.md's layout table does not name: {missing}"

@@ -203,7 +203,7 @@ def _assert_program_matches_eager(program, executor: str, *args, tol=None) -> No
 
 @pytest.mark.parametrize("executor", ["aten", "inductor"])
 def test_compiled_calls_under_inference_mode_match_eager(executor):
-    """The program tests/test_xla_trust.py runs on XLA (evaluation under
+    """The program tests/test_xla_training_programs.py runs on XLA (evaluation under
     ``torch.inference_mode()``, an inference tensor accumulated into inside a compiled
     call, then used to train), on the native path: equal to eager."""
     _assert_program_matches_eager(inference_mode_program, executor, tol=dict(rtol=1e-5, atol=1e-6))

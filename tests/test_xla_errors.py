@@ -272,32 +272,32 @@ def test_debug_switch_writes_the_failing_graph_to_a_file(xla_device, monkeypatch
 
 
 def test_memory_mapping_verdicts():
-    from donate_backend.xla import mappings
+    from donate_backend.xla import mmap_guard
 
-    assert mappings.verdict(None, 65530) == "ok"  # no /proc: nothing known
-    assert mappings.verdict(1000, None) == "ok"
-    assert mappings.verdict(39000, 65530) == "ok"
-    assert mappings.verdict(40000, 65530) == "warn"
-    assert mappings.verdict(52500, 65530) == "refuse"
+    assert mmap_guard.verdict(None, 65530) == "ok"  # no /proc: nothing known
+    assert mmap_guard.verdict(1000, None) == "ok"
+    assert mmap_guard.verdict(39000, 65530) == "ok"
+    assert mmap_guard.verdict(40000, 65530) == "warn"
+    assert mmap_guard.verdict(52500, 65530) == "refuse"
 
 
 def test_memory_mappings_are_read_from_proc(tmp_path):
-    from donate_backend.xla import mappings
+    from donate_backend.xla import mmap_guard
 
-    if mappings.mapping_limit() is not None:  # Linux
-        assert 0 < mappings.mapping_count() < mappings.mapping_limit()
-    assert mappings.mapping_count(str(tmp_path / "absent")) is None
+    if mmap_guard.mapping_limit() is not None:  # Linux
+        assert 0 < mmap_guard.mapping_count() < mmap_guard.mapping_limit()
+    assert mmap_guard.mapping_count(str(tmp_path / "absent")) is None
     (tmp_path / "limit").write_text("262144\n")
-    assert mappings.mapping_limit(str(tmp_path / "limit")) == 262144
+    assert mmap_guard.mapping_limit(str(tmp_path / "limit")) == 262144
 
 
 def test_near_the_mapping_limit_warns_once(monkeypatch, caplog):
-    from donate_backend.xla import mappings
+    from donate_backend.xla import mmap_guard
 
-    monkeypatch.setattr(mappings, "_warned", False)
+    monkeypatch.setattr(mmap_guard, "_warned", False)
     with caplog.at_level("WARNING", logger="donate_xla"):
-        mappings.check_room("graph 3 forward", count=45000, limit=65530)
-        mappings.check_room("graph 4 forward", count=45100, limit=65530)
+        mmap_guard.check_room("graph 3 forward", count=45000, limit=65530)
+        mmap_guard.check_room("graph 4 forward", count=45100, limit=65530)
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "compiling graph 3 forward: this process holds 45,000 memory mappings of the 65,530" in warning
     assert "XLA_COMPILATION_CACHE_SIZE" in warning
@@ -306,18 +306,18 @@ def test_near_the_mapping_limit_warns_once(monkeypatch, caplog):
 def test_compiling_at_the_mapping_limit_is_a_clear_error_not_a_crash(xla_device, monkeypatch):
     """Past 80 % of vm.max_map_count the next XLA:CPU compilation could segfault
     the process (each kernel is mapped); donate_xla refuses to compile instead."""
-    from donate_backend.xla import mappings
+    from donate_backend.xla import mmap_guard
 
-    count = mappings.mapping_count()
+    count = mmap_guard.mapping_count()
     if count is None:
         pytest.skip("no /proc/self/maps on this system")
-    monkeypatch.setattr(mappings, "mapping_limit", lambda: count + 10)
+    monkeypatch.setattr(mmap_guard, "mapping_limit", lambda: count + 10)
     f = torch.compile(lambda t: t * 3 + 1, backend="donate_xla")
     with pytest.raises(Exception, match=r"graph \d+ inference is not compiled: this process holds [\d,]+ memory "
                                         r"mappings of the [\d,]+ Linux allows \(vm.max_map_count\)") as info:
         f(torch.randn(4).to(xla_device))
     # dynamo wraps a backend's error in BackendCompilerFailed
-    assert isinstance(getattr(info.value, "inner_exception", info.value), mappings.MappingLimitError)
+    assert isinstance(getattr(info.value, "inner_exception", info.value), mmap_guard.MappingLimitError)
     monkeypatch.undo()
     torch._dynamo.reset()
     torch.testing.assert_close(f(torch.ones(4).to(xla_device)).cpu(), torch.full((4,), 4.0))

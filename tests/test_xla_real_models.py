@@ -180,7 +180,7 @@ def _gpt2_with_its_dropout():
 def test_gpt2_with_its_default_dropout_trains_and_replays_its_masks():
     """The models above switch dropout off to compare with eager; with GPT-2's
     default dropout every compiled forward failed (the saved masks, bool for torch,
-    were float32 buffers underneath; tests/test_xla_trust.py). Now the whole step
+    were float32 buffers underneath; tests/test_xla_dropout.py). Now the whole step
     compiles and trains, and the same device RNG state gives the same masks, so
     two runs from one seed are equal value for value while dropout does change
     the loss."""

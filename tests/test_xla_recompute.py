@@ -186,7 +186,7 @@ def test_the_ordering_is_on_under_a_budget_and_where_asked(xla_device, budget, f
 def test_random_ops_of_a_joint_graph_are_marked_as_saved(monkeypatch):
     """Under an activation budget the partitioner may recompute any op, a random
     one too, which would draw other values in the backward
-    (tests/test_xla_trust.py::test_dropout_gradients_use_the_forwards_masks)."""
+    (tests/test_xla_dropout.py::test_dropout_gradients_use_the_forwards_masks)."""
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils.checkpoint import CheckpointPolicy
 

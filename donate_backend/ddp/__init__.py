@@ -6,8 +6,8 @@ Modules, one stage each:
   at the dynamo level, ``ModuleBinding.reconcile`` before every DDP forward,
   ``prepare`` for every aot graph) and the per-module binding;
 - ``eligibility``: whether a module or parameter may use the buckets, and why not;
-- ``plan``: which graph inputs and backward outputs are which parameters (pure);
-- ``rewrite``: the FX pass that routes parameter gradients through writers;
+- ``parameters``: which graph inputs and backward outputs are which parameters (pure);
+- ``grad_slots``: the FX pass that routes parameter gradients through writers;
 - ``writer``: what a writer does on each call, and when it leaves a gradient alone;
 - ``state``: the bucket slots learned from the comm hook;
 - ``comm``: the comm hook (DDP's arithmetic, one in-place all-reduce per bucket);

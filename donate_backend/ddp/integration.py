@@ -20,7 +20,7 @@ Three steps, each called by someone else:
 * ``prepare(gm, info, ctx, settings)`` -- called by the native path for every aot
   graph it builds (a copy it owns). A DDP backward built under settings that
   allow it gets its parameter gradients routed through slot writers
-  (``rewrite.py``); whether each write happens is decided per call
+  (``grad_slots.py``); whether each write happens is decided per call
   (``writer.py``). Returns a ``PreparedGraph``.
 
 See docs/ddp.md.
@@ -37,7 +37,7 @@ import torch
 
 from .. import config
 from ..analysis.mutation import graph_attributes
-from . import comm, compat, eligibility, plan, rewrite
+from . import comm, compat, eligibility, grad_slots, parameters
 from .state import DDPBucketState, WriteCounts
 
 log = logging.getLogger("donate_xla")
@@ -199,13 +199,13 @@ def capture(gm, example_inputs) -> Optional[DDPGraphInfo]:
         return None
     binding.overrides = config.active_overrides()
     binding.reconcile(config.current())
-    tensors = plan.placeholder_tensors(gm, example_inputs)
+    tensors = parameters.placeholder_tensors(gm, example_inputs)
     kinds = tensors if len(example_inputs) != len(tensors) else example_inputs
     # aot_autograd's inputs: the graph's own parameters and buffers, then the placeholders
     attributes = [tensor for _, tensor, _ in graph_attributes(gm)]
     tensors, kinds = attributes + tensors, attributes + list(kinds)
     return DDPGraphInfo(
-        binding, plan.input_param_indices(tensors, binding.params), plan.tensor_edges(kinds)
+        binding, parameters.input_param_indices(tensors, binding.params), parameters.tensor_edges(kinds)
     )
 
 
@@ -227,7 +227,7 @@ def prepare(
     ):
         return PreparedGraph(gm, 0, 0)
     output_node = gm.graph.output_node()
-    targets = plan.gradient_outputs(output_node.args[0], info.param_indices)
+    targets = parameters.gradient_outputs(output_node.args[0], info.param_indices)
     if targets is not None and any(info.edges[position] is None for position, _ in targets):
         targets = None  # a parameter where the forward has no tensor input
     if targets is None:
@@ -244,7 +244,7 @@ def prepare(
     edges = [(position, info.edges[position], index) for position, index in targets]
     tensor_inputs = sum(edge is not None for edge in info.edges)
     routed = (
-        rewrite.rewrite_backward(gm, edges, info.binding, ctx.name, tensor_inputs) if targets else []
+        grad_slots.rewrite_backward(gm, edges, info.binding, ctx.name, tensor_inputs) if targets else []
     )
     params = info.binding.params
     nbytes = sum(params[i].numel() * params[i].element_size() for i in routed)

@@ -1,6 +1,6 @@
 """Run time of the bucket rewrite: write one parameter's gradient into its slot, if this call may.
 
-The rewritten backward graph (``rewrite.py``) first calls ``begin(graph)``,
+The rewritten backward graph (``grad_slots.py``) first calls ``begin(graph)``,
 then ``write_grad(writer, call, g)`` for each parameter gradient and
 ``mm_into_slot(writer, call, a, b)`` for weight gradients made by a matrix
 multiply.

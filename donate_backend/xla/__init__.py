@@ -6,9 +6,7 @@ import functools
 import logging
 from typing import Optional
 
-import torch
-
-from .. import budget, config, torch_compat
+from .. import budget, torch_compat
 from ..analysis.aliasing import overlapping_inputs_written
 from ..analysis.mutation import donation_requests
 from ..errors import UnsupportedGraphError

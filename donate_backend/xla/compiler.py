@@ -23,7 +23,7 @@ from ..builds import BuildsPerSetting
 from . import compat, fallback, host, metrics, segments
 from . import memory as xla_memory
 from . import spmd
-from .lower import LoweredGraph, LoweringRequest, lower
+from .lower import LoweringRequest, lower
 from .runtime import PerSignatureExecutable, StitchedExecutable, XlaExecutable
 from .trace import check_inputs, host_input_bytes, output_nodes
 
@@ -167,7 +167,7 @@ def _donation_record(example_inputs, donors, roles, kind, shardings: tuple = (),
     return records
 
 
-class SwitchAwareExecutable:
+class CompiledGraph:
     """The boxed callable aot_autograd gets: the ``XlaExecutable`` built for the
     switches in force."""
 
@@ -294,7 +294,6 @@ def compile_graph(gm, example_inputs, ctx):
         if stitch and not lowered.params:  # torch_xla's user computations need an operand:
             stitch = False  # a graph that reads nothing (it makes constants) runs on its own
             lowered = lower(dataclasses.replace(request, stitch=False), real_inputs)
-        seconds = time.perf_counter() - start
         transfers = metrics.transfer_snapshot().minus(before)
         predicted_at = time.perf_counter()
         predicted = xla_memory.predict_or_none(
@@ -370,6 +369,6 @@ def compile_graph(gm, example_inputs, ctx):
             )
         return executable_for(settings)
 
-    executable = SwitchAwareExecutable(BuildsPerSetting(build), gm)
+    executable = CompiledGraph(BuildsPerSetting(build), gm)
     executable.executable()  # compile now (dynamic shapes, SPMD: at the first call), under the switches in force
     return executable

@@ -69,7 +69,7 @@ def _unpacks(node: torch.fx.Node, fallback_set: set) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Segments:
+class CpuSplit:
     """The split graph: ``top`` calls ``submod_<k>`` in order."""
 
     top: torch.fx.GraphModule
@@ -77,7 +77,7 @@ class Segments:
     fallback_ops: tuple  # the op names, for the report
 
 
-def split_at_fallbacks(gm: torch.fx.GraphModule) -> Optional[Segments]:
+def split_at_fallbacks(gm: torch.fx.GraphModule) -> Optional[CpuSplit]:
     """Split ``gm`` around its unlowerable ops; None when it has none."""
     fallbacks = fallback_nodes(gm)
     if not fallbacks:
@@ -86,7 +86,7 @@ def split_at_fallbacks(gm: torch.fx.GraphModule) -> Optional[Segments]:
     top = split_module(gm, None, lambda node: ids[node], keep_original_order=True)
     fallback_ids = {ids[n] for n in fallbacks}
     names = frozenset(f"submod_{k}" for k in fallback_ids)
-    return Segments(top, names, tuple(str(n.target) for n in fallbacks))  # names: for the report
+    return CpuSplit(top, names, tuple(str(n.target) for n in fallbacks))  # names: for the report
 
 
 def segment_example_inputs(submodule: torch.fx.GraphModule) -> list:
@@ -138,7 +138,7 @@ def returns_one_value(submodule: torch.fx.GraphModule) -> bool:
     return not isinstance(submodule.graph.output_node().args[0], (tuple, list))
 
 
-def compile_segments(segments: Segments, ctx, compile_segment: Callable, device: torch.device) -> Callable:
+def compile_segments(segments: CpuSplit, ctx, compile_segment: Callable, device: torch.device) -> Callable:
     """Install compiled segments and CPU runners in ``segments.top``; return a boxed callable.
 
     ``compile_segment(submodule, example_inputs, segment_ctx)`` compiles one

@@ -32,7 +32,7 @@ import torch_xla
 
 from .. import config
 from ..errors import DonateXlaError, UnsupportedGraphError
-from . import compat, mappings, metrics, spmd
+from . import compat, metrics, mmap_guard, spmd
 from .plan import (
     HloParam, LoweringMismatchError, OutputSlot, describe, donors_first_order, plan_parameters, plan_results,
 )
@@ -144,7 +144,7 @@ def lower(request: LoweringRequest, real_inputs: Optional[Sequence] = None) -> L
     donors, requested_donors = request.donors, request.requested_donors
     output_shardings, host_values, stitch = request.output_shardings, request.host_values, request.stitch
     keep_hlo_text = request.keep_hlo_text
-    mappings.check_room(graph_name)  # a clear error, not a crash, when XLA:CPU's kernels used them up
+    mmap_guard.check_room(graph_name)  # a clear error, not a crash, when XLA:CPU's kernels used them up
     supported = compat.supports_donation()
     written_donors = tuple(donors) if supported else ()
     donors = written_donors + (tuple(requested_donors) if supported else ())
