@@ -375,7 +375,7 @@ def test_without_view_metas_only_tensors_that_are_not_views_are_donatable(xla_de
 def _stitched_sgd_steps(xla_device, steps=5):
     """Stitched: each stitched graph with donors gives (calls that flagged buffers for
     donation, calls that flagged none)."""
-    from donate_backend.xla.runtime import StitchedExecutable
+    from donate_backend.xla.stitched import StitchedExecutable
 
     made = _sgd_executables(xla_device, StitchedExecutable, steps, stitch=True)
     return [(s.calls_donating, s.calls_without_donation) for s in made if s._donors]

@@ -75,7 +75,7 @@ def test_a_stitched_step_runs_as_one_execution(xla_device):
 
 
 def test_stitched_operands_go_newest_first():
-    from donate_backend.xla.runtime import donor_pairing_order
+    from donate_backend.xla.stitched import donor_pairing_order
 
     assert donor_pairing_order([5, 9, 7]) == (1, 2, 0)
     assert donor_pairing_order([3, 8, 3]) == (1, 0, 2)  # equal ids (a tensor passed twice) keep their order
@@ -87,24 +87,24 @@ def test_a_stitched_graph_stops_reordering_after_a_few_orders(xla_device, monkey
     computation's own order is used, with the operands as given."""
     import types
 
-    from donate_backend.xla import compat, runtime
+    from donate_backend.xla import compat, stitched as stitched_module
 
     made = []
     monkeypatch.setattr(compat, "reordered_computation", lambda c, values, order, name: made.append(order) or order)
     own = object()
-    stitched = runtime.StitchedExecutable(
+    executable = stitched_module.StitchedExecutable(
         "graph 0 forward", types.SimpleNamespace(computation=own, writebacks=(), outputs=())
     )
     tensors = [torch.zeros(1).to(xla_device) for _ in range(3)]  # ids ascending
     orders = [[0, 1, 2], [2, 0, 1], [1, 2, 0], [0, 2, 1], [1, 0, 2], [2, 1, 0]]
-    chosen = [stitched._in_pairing_order([tensors[k] for k in order]) for order in orders]
+    chosen = [executable._in_pairing_order([tensors[k] for k in order]) for order in orders]
     assert chosen[0] == ((2, 1, 0), [tensors[2], tensors[1], tensors[0]])  # newest first
-    assert len(made) == runtime._MAX_OPERAND_ORDERS
+    assert len(made) == stitched_module._MAX_OPERAND_ORDERS
     assert chosen[-1] == (own, [tensors[2], tensors[1], tensors[0]])  # already newest first: as given
     computation, values = chosen[-2]  # a fifth order: the computation's own, operands as given
     assert computation is own and values == [tensors[1], tensors[0], tensors[2]]
-    assert stitched._in_pairing_order(list(tensors))[0] == (2, 1, 0)  # a known order is reused
-    assert len(made) == runtime._MAX_OPERAND_ORDERS
+    assert executable._in_pairing_order(list(tensors))[0] == (2, 1, 0)  # a known order is reused
+    assert len(made) == stitched_module._MAX_OPERAND_ORDERS
 
 
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw"])

@@ -296,13 +296,13 @@ def test_a_stitched_result_two_inputs_receive_gives_each_its_own_tensor(xla_devi
     (an update of one never touches the other, and the sync gives each a buffer)."""
     import types
 
-    from donate_backend.xla import compat, runtime
+    from donate_backend.xla import compat, stitched
 
     a, b, c = (torch.zeros(3).to(xla_device) for _ in range(3))
     result = torch.arange(3.0).to(xla_device) * 2  # lazy, like a stitched graph's result
     lowered = types.SimpleNamespace(writebacks=((0, 0), (1, 0), (2, 1)))
     other = torch.ones(3).to(xla_device) + 1
-    installed = runtime._install_lazy([a, b, c], lowered, [result, other], exclusive=frozenset({1}))
+    installed = stitched._install_lazy([a, b, c], lowered, [result, other], exclusive=frozenset({1}))
     assert [k for _, k in installed] == [0, 0, 1]
     ids = compat.tensor_ids([a, b, c])
     assert len(set(ids)) == 3 and ids[2] == compat.tensor_id(other)

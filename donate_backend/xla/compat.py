@@ -97,7 +97,7 @@ def device_data_nodes(tensors: Sequence[torch.Tensor], uncloned: Sequence[torch.
     return list(ids), list(values)
 
 
-# -- which value a tensor holds (the exclusivity record of runtime.py) ---------------------
+# -- which value a tensor holds (the exclusivity record of ownership.py) ---------------------
 
 def stores_as_pred(t: torch.Tensor) -> Optional[bool]:
     """Whether the XLA value behind a bool tensor is XLA's ``pred`` type; None if

@@ -24,7 +24,9 @@ from . import compat, fallback, host, metrics, segments
 from . import memory as xla_memory
 from . import spmd
 from .lower import LoweringRequest, lower
-from .runtime import PerSignatureExecutable, StitchedExecutable, XlaExecutable
+from .dispatch import PerSignatureExecutable
+from .runtime import XlaExecutable
+from .stitched import StitchedExecutable
 from .trace import check_inputs, host_input_bytes, output_nodes
 
 _warned_unusable: set[str] = set()

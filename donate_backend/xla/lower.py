@@ -59,7 +59,7 @@ class LoweredGraph:
     hlo_text: Optional[str] = None
     aliased: int = 0  # InputOutputAliasCount torch_xla recorded when compiling
     # stitched (DONATE_XLA_STITCH): the graph as an XLA computation that lazy IR calls,
-    # not an executable of its own (see runtime.StitchedExecutable)
+    # not an executable of its own (see stitched.StitchedExecutable)
     computation: object = None
     # seconds per stage: ("trace", ...), ("plan", ...), ("xla compile", ...)
     phases: tuple = ()
