@@ -44,7 +44,9 @@ class GraphContext:
     kind: str  # "forward", "backward" or "inference"
     input_roles: tuple = ()  # one role per dynamo input (see analysis.mutation)
     captured: object = None  # what the path's ``capture`` hook returned for this graph
-    segment: Optional[int] = None  # a part of the graph compiled on its own (XLA: segments, CPU fallback)
+    # a part of the graph compiled on its own (XLA: backward segments, CPU fallback): its
+    # index, dotted for a part of a part ("2.1")
+    segment: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -54,7 +56,8 @@ class GraphContext:
     def for_segment(self, index: int) -> "GraphContext":
         """The context of the graph's ``index``-th segment: its inputs are not the graph's,
         so it carries no input roles and nothing captured for the whole graph."""
-        return dataclasses.replace(self, input_roles=(), captured=None, segment=index)
+        segment = str(index) if self.segment is None else f"{self.segment}.{index}"
+        return dataclasses.replace(self, input_roles=(), captured=None, segment=segment)
 
 
 def graph_device_type(example_inputs: Sequence) -> str:

@@ -240,3 +240,18 @@ def test_compile_time_is_split_into_phases():
     assert split.dynamo > 0 and split.aot_autograd > 0 and split.backend >= 0
     assert split.graphs["build"] == pytest.approx(sum(dict(r.phases)["build"] for r in records))
     assert "aot_autograd" in split.as_text() and "memory prediction" in split.as_text()
+
+
+def test_a_segments_context_names_its_part_and_carries_nothing_of_the_whole_graph():
+    """A part of a graph compiled on its own (a backward segment, an XLA segment around
+    CPU ops, or such a segment of a segment) is named after its graph and its place, and
+    carries no input roles or captured data: those describe the whole graph's inputs."""
+    from donate_backend.backend import GraphContext
+
+    whole = GraphContext(3, "backward", input_roles=("parameter", "other"), captured=object())
+    part = whole.for_segment(2)
+    assert (part.graph_id, part.kind, part.segment) == (3, "backward", "2")
+    assert part.input_roles == () and part.captured is None
+    assert part.name == "graph 3 backward (segment 2)"
+    assert part.for_segment(0).name == "graph 3 backward (segment 2.0)"
+    assert whole.name == "graph 3 backward" and whole.segment is None

@@ -261,8 +261,10 @@ def compile_graph(gm, example_inputs, ctx):
     roles = tuple(ctx.input_roles)
     symbolic = is_symbolic(example_inputs)
     check_inputs(example_inputs, ctx.name)
+    planning = budget.plan_phase(gm)  # a memory limit's choice: counted once, in the first build's record
 
     def executable_for(settings: config.Settings, args=None, device_args=None) -> XlaExecutable:
+        nonlocal planning
         analysed = time.perf_counter()
         examples = concrete_examples(example_inputs, args) if symbolic else example_inputs
         real_inputs = device_args if compat.is_spmd() else None
@@ -302,9 +304,10 @@ def compile_graph(gm, example_inputs, ctx):
             gm, ctx.name, ctx.kind, donors=lowered.donors if not stitch else (choice.donors if donation else ()),
             forward_returns=_num_user_outputs(ctx),
         )
-        phases = budget.plan_phase(gm) + (("donors", start - analysed),) + lowered.phases + (
+        phases = planning + (("donors", start - analysed),) + lowered.phases + (
             ("memory prediction", time.perf_counter() - predicted_at),
         )
+        planning = ()
         record = report.add(
             report.GraphRecord(
                 graph_id=ctx.graph_id,
