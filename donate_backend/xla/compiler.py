@@ -79,11 +79,12 @@ def _requested_donors(ctx) -> tuple:
     return tuple(ctx.captured.requested_donors)
 
 
-def choose_donors(gm, example_inputs, ctx, roles) -> DonorChoice:
-    """Split the overwritten (and the requested) inputs into donors and exclusions."""
+def choose_donors(gm, example_inputs, ctx, roles, host_inputs: Sequence[int]) -> DonorChoice:
+    """Split the overwritten (and the requested) inputs into donors and exclusions.
+    ``host_inputs``: the indices of host (CPU) tensors (``check_inputs``), never donated."""
     candidates = mutation.mutated_input_indices(gm.graph)
     requested = [i for i in _requested_donors(ctx) if i < len(example_inputs) and i not in candidates]
-    host_scalars = set(check_inputs(example_inputs, ctx.name))
+    host_scalars = set(host_inputs)
     shared = aliasing.shared_storage_partner(example_inputs)
     reaching = aliasing.inputs_reaching_outputs(gm.graph)
     returned = aliasing.inputs_returned_as_is(gm.graph)
@@ -260,7 +261,7 @@ def compile_graph(gm, example_inputs, ctx):
         return fallback.compile_segments(around_cpu_ops, ctx, compile_graph, torch_xla.device())
     roles = tuple(ctx.input_roles)
     symbolic = is_symbolic(example_inputs)
-    check_inputs(example_inputs, ctx.name)
+    host_inputs = tuple(check_inputs(example_inputs, ctx.name))  # the one check: devices do not change per signature
     planning = budget.plan_phase(gm)  # a memory limit's choice: counted once, in the first build's record
 
     def executable_for(settings: config.Settings, args=None, device_args=None) -> XlaExecutable:
@@ -268,7 +269,7 @@ def compile_graph(gm, example_inputs, ctx):
         analysed = time.perf_counter()
         examples = concrete_examples(example_inputs, args) if symbolic else example_inputs
         real_inputs = device_args if compat.is_spmd() else None
-        choice = choose_donors(gm, examples, ctx, roles)
+        choice = choose_donors(gm, examples, ctx, roles, host_inputs)
         stitch = settings.stitch and real_inputs is None and not symbolic
         donation = settings.donation and _torch_xla_donates()
         # stitched, the buffers are donated at the sync (StitchedExecutable), not in the HLO
@@ -282,12 +283,13 @@ def compile_graph(gm, example_inputs, ctx):
             count = len(output_nodes(gm))
             pinned = spmd.gradient_shardings(ctx.graph_id, count, spmd.gradient_leaves(ctx.graph_id, count))
 
-        on_host = host.host_part(gm, check_inputs(examples, ctx.name))
+        on_host = host.host_part(gm, list(host_inputs))
 
         request = LoweringRequest(
             gm, tuple(examples), ctx.name,
             donors=tuple(active), requested_donors=tuple(sorted(requested)),
             sharded=real_inputs is not None, output_shardings=pinned, host_values=on_host, stitch=stitch,
+            host_inputs=host_inputs,
         )
 
         start, before = time.perf_counter(), metrics.transfer_snapshot()

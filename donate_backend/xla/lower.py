@@ -98,6 +98,9 @@ class LoweringRequest:
     host_values: object = None  # host.HostPart: write-backs and outputs computed on the host
     stitch: bool = False  # an XLA computation for lazy IR to call, not an executable
     keep_hlo_text: bool = False
+    # indices of the host (CPU) tensors among the inputs, as ``check_inputs`` found them
+    # (None: ``lower`` checks the inputs itself)
+    host_inputs: Optional[tuple] = None
 
     def without_donation(self) -> "LoweringRequest":
         return dataclasses.replace(self, donors=(), requested_donors=())
@@ -148,7 +151,9 @@ def lower(request: LoweringRequest, real_inputs: Optional[Sequence] = None) -> L
     supported = compat.supports_donation()
     written_donors = tuple(donors) if supported else ()
     donors = written_donors + (tuple(requested_donors) if supported else ())
-    host_scalars = check_inputs(example_inputs, graph_name)
+    host_scalars = (
+        list(request.host_inputs) if request.host_inputs is not None else check_inputs(example_inputs, graph_name)
+    )
     if real_inputs is not None:  # host scalars are uploaded per call: traced on placeholders
         real_inputs = [None if i in host_scalars else t for i, t in enumerate(real_inputs)]
     before = metrics.transfer_snapshot()
