@@ -32,7 +32,9 @@ switches), donate_xla_budget_sched (budget
 XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false), donate_xla_segments
 (DONATE_XLA_BACKWARD_SEGMENTS=8: each backward runs as 8 executables, releasing saved
 activations as it goes), donate_xla_segments_budget_0.8 and _0.7 (that and the
-activation budget), openxla, openxla
+activation budget), donate_xla_limit_0.7 (``options={"memory_limit": ...}`` at 0.7 of the
+default step's predicted peak: the planner chooses segments or an activation budget to fit, or
+refuses before the step runs, which the row then reports), openxla, openxla
 with every state buffer flagged for donation by hand, lazy (plain torch_xla: no torch.compile, torch_xla.sync() per step) and
 lazy_sched (lazy with the memory-minimising scheduler), and on the GPT jax and jax_remat
 (JAX's whole-step jit with donate_argnums, from the same weights, plain and with each block
@@ -58,8 +60,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 BACKENDS = (
     "donate_xla", "donate_xla_stitch", "donate_xla_budget", "donate_xla_budget_0.45", "donate_xla_stitch_budget_0.45",
     "donate_xla_budget_sched", "donate_xla_segments", "donate_xla_segments_budget_0.8", "donate_xla_segments_budget_0.7",
-    "openxla", "openxla_flagged", "lazy", "lazy_sched", "jax", "jax_remat",
+    "donate_xla_limit_0.7", "openxla", "openxla_flagged", "lazy", "lazy_sched", "jax", "jax_remat",
 )
+# memory_limit rows: the limit is this share of the default step's predicted peak
+# (``memory_plan()`` after two default steps in the same process, then compiled again
+# with ``options={"memory_limit": ...}``); a limit no plan meets is reported as refused
+LIMIT_ROWS = {"donate_xla_limit_0.7": 0.7}
 # JAX's whole-step jit with donate_argnums (bench/jax_gpt.py), on the GPT only: plain, and with
 # each block under jax.checkpoint
 JAX_ROWS = {"jax": [], "jax_remat": ["--remat"]}
@@ -173,8 +179,20 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
                 torch.ops.xla.dynamo_set_buffer_donor_(t, True)
             return plain_step(x, y)
 
+    limit = None
     if backend.startswith("lazy"):  # plain torch_xla: one lazy graph per step, traced again every step
         compiled = step
+    elif backend in LIMIT_ROWS:
+        default = torch.compile(step, backend="donate_xla")
+        for _ in range(2):
+            default(x, y)
+            torch_xla.sync()
+        xm.wait_device_ops()
+        limit = int(LIMIT_ROWS[backend] * donate_backend.memory_plan().peak_bytes)
+        del default
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
+        compiled = torch.compile(step, backend="donate_xla", options={"memory_limit": limit})
     else:
         compiled = torch.compile(step, backend="openxla" if backend.startswith("openxla") else "donate_xla")
 
@@ -184,8 +202,13 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
         xm.wait_device_ops()
         return loss
 
-    for _ in range(2):  # compile every graph and create the optimizer state
-        run_step()
+    try:
+        for _ in range(2):  # compile every graph and create the optimizer state
+            run_step()
+    except Exception as error:  # noqa: BLE001 - a limit no plan meets: refused before the step runs
+        if limit is None or "memory_limit" not in str(error):
+            raise
+        return dict(model=model_name, backend=backend, limit=limit, refused=str(error).splitlines()[-1][:400])
     state = state_tensors(model, opt)
     before = [XLAC._unsafe_buffer_pointer(t) for t in state]
     before_ptrs = set(before)
@@ -206,6 +229,9 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
         model=model_name,
         backend=backend,
         backward_segments=max((r.backward_segments for r in backwards), default=0),
+        limit=limit,
+        state_bytes=sum(t.numel() * t.element_size() for t in state),
+        choices=list(donate_backend.memory_plan().choices) if limit is not None else None,
         peak_growth=sampler.peak - rss_before,
         transient=sampler.peak - sampler.trough,
         state_buffers=len(state),
@@ -289,11 +315,25 @@ def main() -> None:
             allocator: run_repeated(__file__, model_name, rows_here, args.repeats, "--steps", str(args.steps), env=env)
             for allocator, env in ALLOCATORS.items()
         }
+        refused = {}
+        for runs in runs_by_allocator.values():
+            for backend in list(runs):
+                if any("refused" in r for r in runs[backend]):
+                    refused[backend] = next(r for r in runs[backend] if "refused" in r)
+                    del runs[backend]
         floor, grad_bytes, saved_bytes = floor_bytes(runs_by_allocator["live"]) or (float("nan"),) * 3
         print(f"\n== {model_name}: {args.steps} steps x {args.repeats} repeats (medians, [min-max]); floor "
               f"{mib(floor):.0f} MiB (grads {mib(grad_bytes):.0f} + saved activations {mib(saved_bytes):.0f})")
         print_table(model_name, runs_by_allocator, floor, summary)
-        results.append(dict(model=model_name, runs=runs_by_allocator))  # the floor: floor_bytes(runs)
+        for backend, run in refused.items():
+            print(f"{backend:24} refused before the step ran (limit {mib(run['limit']):.1f} MiB): {run['refused']}")
+        for backend in LIMIT_ROWS:
+            for run in runs_by_allocator["live"].get(backend, [])[:1]:
+                peak = run["state_bytes"] + run["transient"]
+                print(f"{backend:24} limit {mib(run['limit']):.1f} MiB; measured peak (state + live growth) "
+                      f"{mib(peak):.1f} MiB: {'within' if peak <= run['limit'] else 'OVER'} the limit; "
+                      f"plan: {'; '.join(run['choices'] or [])}")
+        results.append(dict(model=model_name, runs=runs_by_allocator, refused=refused))  # the floor: floor_bytes(runs)
     jax_versions = {r["jax"] for m in results for runs in m["runs"].values() for b in JAX_ROWS
                     for r in runs.get(b, [])}
     write_results("donation", results, repeats=args.repeats, steps=args.steps, path=args.json,

@@ -34,6 +34,17 @@ CHOICE_META = "donate_xla_budget_choice"  # forward module meta: what the limit 
 # forward module meta: seconds spent choosing (the candidates' partitions and predictions)
 PLAN_SECONDS_META = "donate_xla_plan_seconds"
 PLAN_PHASE = "memory limit plan"  # the phase of a forward's compile_seconds those seconds are
+PLANNED_LIMIT_META = "donate_xla_planned_limit"  # forward module meta: the limit (bytes) it was planned for
+
+
+def limit_check(fw_module: torch.fx.GraphModule, graph_name: str, path: str):
+    """A ``planner.LimitCheck`` for a forward a memory limit was planned for, else None."""
+    limit = fw_module.meta.get(PLANNED_LIMIT_META)
+    if limit is None:
+        return None
+    from .planner import LimitCheck
+
+    return LimitCheck(graph_name, path, limit)
 
 
 def plan_phase(fw_module: torch.fx.GraphModule) -> tuple:
@@ -82,6 +93,7 @@ def _fit(min_cut, settings, predict_step, joint, *args, **kwargs):
                 f"(predicted step peak {_mib(peak)}; tried {', '.join(f'{s:g}: {_mib(p)}' for s, p, _ in tried)})"
             )
             fw_module.meta[PLAN_SECONDS_META] = time.perf_counter() - started
+            fw_module.meta[PLANNED_LIMIT_META] = limit
             return fw_module, bw_module
     share, least, parts = min(tried, key=lambda t: t[1])
     largest = ", ".join(f"{c} {_mib(b)}" for c, b in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if b > 0)

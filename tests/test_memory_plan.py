@@ -339,6 +339,41 @@ def _assert_planning_time_reported(records):
     assert "chosen under memory_limit" in line and f"planned in {phases['memory limit plan']:.3f}s" in line
 
 
+def test_a_limit_the_optimizer_state_breaks_is_reported_once_the_step_has_run():
+    """The limit is planned while the forward and backward compile, before SGD's momentum
+    exists: a limit they meet but the whole compiled step with its momentum does not
+    gives one warning, after the second step, naming the state; a limit above the whole
+    step gives none."""
+    import warnings
+
+    model = _six_layers()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(256, 512)
+
+    def step(x):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def train(options, steps):
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
+        run = torch.compile(step, backend="donate_xla", options=options)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                run(x)
+        return [str(w.message) for w in seen if "memory_limit" in str(w.message)]
+
+    assert train({}, 3) == []
+    whole = donate_backend.memory_plan(workspaces=False)
+    assert whole.breakdown["optimizer state"] == params
+    (warning,) = train({"memory_limit": whole.peak_bytes - params // 2}, 4)
+    assert "over it (optimizer state" in warning and "lower memory_limit by the excess" in warning
+    assert train({"memory_limit": whole.peak_bytes + 2**20}, 4) == []
+
+
 def test_an_impossible_memory_limit_is_refused_before_anything_runs():
     model = _six_layers()
     before = [p.detach().clone() for p in model.parameters()]

@@ -154,6 +154,42 @@ def test_a_memory_limit_met_by_backward_segments_recomputes_nothing(xla_device):
     assert any("chosen to fit memory_limit: backward in" in c for c in fitted.choices), fitted.choices
 
 
+def test_a_limit_the_optimizer_state_breaks_is_reported_once_the_step_has_run(xla_device):
+    """The limit is planned while the forward and backward compile, before SGD's momentum
+    exists. A limit the planned graphs meet but the whole step with its momentum does not
+    gives one warning, after the second step, naming the excess and the state; a limit
+    above the whole step gives none."""
+    model = _layers(width=512, depth=4).to(xla_device)
+    params = _nbytes(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(256, 512).to(xla_device)
+    step = torch.compile(squared_mean_step(model, opt), backend="donate_xla")
+    _train(model, step, x, steps=3)
+    whole = donate_backend.memory_plan().peak_bytes
+    assert donate_backend.memory_plan().breakdown["optimizer state"] == params
+    for limit, warned in ((whole - params // 2, True), (whole + MIB, False)):
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
+        step = torch.compile(squared_mean_step(model, opt), backend="donate_xla", options={"memory_limit": limit})
+        with pytest.warns(UserWarning, match=r"memory_limit .* over it \(optimizer state") if warned else _no_limit_warning():
+            _train(model, step, x, steps=4)
+        if warned:
+            assert donate_backend.memory_plan().peak_bytes > limit
+
+
+class _no_limit_warning:
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings(record=True)
+        self._seen = self._catch.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+        assert not [w for w in self._seen if "memory_limit" in str(w.message)]
+
+
 def test_an_impossible_memory_limit_on_the_xla_path_is_refused_before_anything_runs(xla_device):
     model = _layers().to(xla_device)
     before = [p.detach().cpu().clone() for p in model.parameters()]

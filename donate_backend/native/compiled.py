@@ -80,6 +80,8 @@ class CompiledGraph:
             phases=budget.plan_phase(gm),
         )
         self.record.compile_seconds = sum(s for _, s in self.record.phases)
+        # a forward planned under a memory limit: checked against the whole step once it has run
+        self._limit_check = budget.limit_check(gm, ctx.name, "native") if ctx.kind == "forward" else None
         self._builds = builds.BuildsPerSetting(self._build)
         self._current: Optional[executor.Built] = None
         self._current_build()  # for the settings in force: built now, inside aot_autograd
@@ -113,6 +115,8 @@ class CompiledGraph:
         return self.built.source
 
     def __call__(self, args: list):
+        if self._limit_check is not None:
+            self._limit_check.on_call()
         if self.record.first_call is None:
             return self._first_call(args)
         report.mark_call(self.record)

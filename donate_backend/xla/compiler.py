@@ -174,11 +174,12 @@ class CompiledGraph:
     """The boxed callable aot_autograd gets: the ``XlaExecutable`` built for the
     switches in force."""
 
-    def __init__(self, builds: BuildsPerSetting, graph: torch.fx.GraphModule):
+    def __init__(self, builds: BuildsPerSetting, graph: torch.fx.GraphModule, limit_check=None):
         # An instance attribute: dynamo's disable() wrapper copies __dict__ only.
         self._boxed_call = True
         self._builds = builds
         self._graph = graph
+        self._limit_check = limit_check  # planner.LimitCheck: a forward planned under a memory limit
 
     def executable(self) -> XlaExecutable:
         return self._builds.current()
@@ -188,6 +189,8 @@ class CompiledGraph:
             # traced, not run (torch_xla's scan traces its body with aot_function on fake
             # tensors): the graph's own ops, recorded by whoever traces, as aot_eager would
             return self._graph(*args)
+        if self._limit_check is not None:
+            self._limit_check.on_call()
         # under torch_xla's eager mode too, the call's own IR (copies, write-backs, a
         # stitched step) stays lazy: run op by op, a clone would share its source's buffer
         with compat.lazy_mode():
@@ -376,6 +379,7 @@ def compile_graph(gm, example_inputs, ctx):
             )
         return executable_for(settings)
 
-    executable = CompiledGraph(BuildsPerSetting(build), gm)
+    checked = budget.limit_check(gm, ctx.name, "xla") if ctx.kind == "forward" else None
+    executable = CompiledGraph(BuildsPerSetting(build), gm, checked)
     executable.executable()  # compile now (dynamic shapes, SPMD: at the first call), under the switches in force
     return executable
