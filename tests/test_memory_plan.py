@@ -374,6 +374,25 @@ def test_a_limit_the_optimizer_state_breaks_is_reported_once_the_step_has_run():
     assert train({"memory_limit": whole.peak_bytes + 2**20}, 4) == []
 
 
+def test_a_limits_prediction_keeps_the_weights_the_backward_reads_resident(monkeypatch):
+    """A Linear's backward reads its weight, a forward input the partitioner hands over as
+    a saved tensor: the limit's prediction keeps it resident (the backward frees only what
+    the forward made). It used to subtract each such weight again, predicting less than
+    parameters plus gradients."""
+    from donate_backend.native import memory as native_memory
+
+    predicted = []
+    real = native_memory.predict_step
+    monkeypatch.setattr(native_memory, "predict_step", lambda *a: predicted.append(real(*a)) or predicted[-1])
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    run = torch.compile(lambda x: model(x).square().mean(), backend="donate_xla", options={"memory_limit": "1GiB"})
+    run(torch.randn(64, 512)).backward()
+    ((peak, parts),) = predicted
+    assert parts[memory.ACTIVATIONS] >= 0
+    assert peak >= 2 * params  # the parameters, and their gradients at the backward's end
+
+
 def test_an_impossible_memory_limit_is_refused_before_anything_runs():
     model = _six_layers()
     before = [p.detach().clone() for p in model.parameters()]

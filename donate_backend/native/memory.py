@@ -358,7 +358,12 @@ def predict_step(
     for node in fw_module.graph.find_nodes(op="placeholder"):
         resident.update(_keys(node))
     forward = replay(fw_module.graph, "forward", "forward", saved_outputs_from=forward_returns)
-    released = [n for n in bw_module.graph.find_nodes(op="placeholder") if _keys(n)]
+    # a saved tensor that is a forward input (a weight the backward's matmul reads) stays
+    # resident: the backward frees only what the forward made
+    released = [
+        n for n in bw_module.graph.find_nodes(op="placeholder")
+        if _keys(n) and not any(key in resident for key, _ in _keys(n))
+    ]
     categories = {n: GRADIENTS if n.name.startswith("tangents") else ACTIVATIONS for n in released}
     backward = replay(bw_module.graph, "backward", "backward", released_inputs=released, input_categories=categories)
     base = sum(resident.values())
