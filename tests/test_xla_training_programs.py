@@ -10,7 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
-from eager_oracle import STITCHED, _batch, _compiled_under, _mlp, assert_close_tree, mse_training_step, parameters_and_optimizer_state, run_against_eager
+from eager_oracle import (
+    STITCHED,
+    _batch,
+    _compiled_under,
+    _mlp,
+    assert_close_tree,
+    mse_training_step,
+    parameters_and_optimizer_state,
+    run_against_eager,
+)
 from programs import checkpointed_program, grad_scaler_program, held_state_program, inference_mode_program, varying_batch_program
 
 pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
