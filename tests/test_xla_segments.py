@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import donate_backend
 from donate_backend import config
 from donate_backend.backend import GraphContext
-from donate_backend.xla import segments
+from donate_backend.xla import fallback, segments
 from live_growth import live_growth
 from xla_capture import normalize_fx
 from xla_models import CASES, squared_mean_step, train
@@ -61,6 +61,16 @@ def test_split_of_one_segment_is_none():
     assert segments.split_backward(gm, 0) is None
 
 
+def _runner(split, compile_segment):
+    """The split backward's runner over its parts compiled by ``compile_segment``, as the
+    XLA compiler builds it over ``compile_graph``."""
+    compiled = {
+        part.name: (compile_segment(part.graph, part.example_inputs, part.ctx), part.single_output)
+        for part in fallback.parts(split.top, GraphContext(0, "backward"))
+    }
+    return segments.ReleasingRunner(split, compiled)
+
+
 def _on_cpu(alive_at_call: list, watched: list):
     """A ``compile_segment`` that runs each segment eagerly, noting which watched inputs live."""
 
@@ -86,7 +96,7 @@ def test_the_runner_releases_each_input_after_its_last_segment_and_computes_the_
     args = _inputs()
     expected = gm(*[a.clone() for a in args])
     watched = [weakref.ref(a) for a in args]
-    runner = segments.compile_split(split, GraphContext(0, "backward"), _on_cpu(alive_at_call, watched))
+    runner = _runner(split, _on_cpu(alive_at_call, watched))
     got = runner(args)
     assert args == []  # boxed: the runner took the list
     for a, b in zip(got, expected):
@@ -121,7 +131,7 @@ def test_views_go_with_their_reader_and_never_cross_a_cut():
     crossing = {p.name for _, sub in split.top.named_children() for p in sub.graph.find_nodes(op="placeholder")}
     assert views and crossing and not crossing & views, crossing & views
     expected = gm(*args)
-    runner = segments.compile_split(split, GraphContext(0, "backward"), _on_cpu([], []))
+    runner = _runner(split, _on_cpu([], []))
     for a, b in zip(runner(list(args)), expected):
         torch.testing.assert_close(a, b)
 
@@ -144,7 +154,7 @@ def test_a_constant_read_by_two_segments_reaches_both():
     split = segments.split_backward(gm, 3)
     assert split.count == 3
     expected = gm(*args)
-    runner = segments.compile_split(split, GraphContext(0, "backward"), _on_cpu([], []))
+    runner = _runner(split, _on_cpu([], []))
     torch.testing.assert_close(runner(list(args))[0], expected)
 
 

@@ -243,6 +243,15 @@ def _record_split(split: segments.SplitBackward, ctx, num_inputs: int, how: str)
     )
 
 
+def _compiled_parts(top, ctx, skip=frozenset()) -> dict:
+    """Each part of a split graph compiled as a graph of its own: name -> (callable,
+    whether it returns one value)."""
+    return {
+        part.name: (compile_graph(part.graph, part.example_inputs, part.ctx), part.single_output)
+        for part in fallback.parts(top, ctx, skip)
+    }
+
+
 def compile_graph(gm, example_inputs, ctx):
     """Analyse ``gm`` and compile it for the switches in force (see module docstring).
 
@@ -261,7 +270,7 @@ def compile_graph(gm, example_inputs, ctx):
                 num_inputs=len(example_inputs), fallback_ops=around_cpu_ops.fallback_ops,
             )
         )
-        return fallback.compile_segments(around_cpu_ops, ctx, compile_graph, torch_xla.device())
+        return fallback.runner(around_cpu_ops, _compiled_parts(around_cpu_ops.top, ctx, around_cpu_ops.fallback_names), torch_xla.device())
     roles = tuple(ctx.input_roles)
     symbolic = is_symbolic(example_inputs)
     host_inputs = tuple(check_inputs(example_inputs, ctx.name))  # the one check: devices do not change per signature
@@ -368,7 +377,7 @@ def compile_graph(gm, example_inputs, ctx):
                 "chosen to fit memory_limit: " if gm.meta.get(xla_memory.SEGMENTS_META) else "chosen automatically: "
             )
             _record_split(split, ctx, len(example_inputs), how)
-            return segments.compile_split(split, ctx, compile_graph)
+            return segments.ReleasingRunner(split, _compiled_parts(split.top, ctx))
         if symbolic or compat.is_spmd():
             return PerSignatureExecutable(
                 ctx.name,

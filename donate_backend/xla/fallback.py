@@ -138,19 +138,37 @@ def returns_one_value(submodule: torch.fx.GraphModule) -> bool:
     return not isinstance(submodule.graph.output_node().args[0], (tuple, list))
 
 
-def compile_segments(segments: CpuSplit, ctx, compile_segment: Callable, device: torch.device) -> Callable:
-    """Install compiled segments and CPU runners in ``segments.top``; return a boxed callable.
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One submodule of a split graph, to be compiled on its own (by the XLA path's
+    ``compile_graph``): its graph, example inputs and context."""
 
-    ``compile_segment(submodule, example_inputs, segment_ctx)`` compiles one
-    lowerable segment (the XLA path's ``compile_graph``).
-    """
-    top = segments.top
-    for k, (name, submodule) in enumerate(list(top.named_children())):
-        if name in segments.fallback_names:
+    name: str  # its attribute on the split graph's top module
+    graph: torch.fx.GraphModule
+    example_inputs: list
+    ctx: object  # backend.GraphContext of the part (``ctx.for_segment``)
+    single_output: bool  # it returns one value, not a tuple
+
+
+def parts(top: torch.fx.GraphModule, ctx, skip=frozenset()) -> list:
+    """The submodules of ``top`` in order, as ``Part``s, but those named in ``skip``."""
+    return [
+        Part(name, submodule, segment_example_inputs(submodule), ctx.for_segment(k), returns_one_value(submodule))
+        for k, (name, submodule) in enumerate(top.named_children())
+        if name not in skip
+    ]
+
+
+def runner(split: CpuSplit, compiled: dict, device: torch.device) -> Callable:
+    """A boxed callable running ``split``: the XLA segments ``compiled`` holds
+    (name -> (boxed callable, single output)), CPU runners for the ops between them."""
+    top = split.top
+    for name, submodule in list(top.named_children()):
+        if name in split.fallback_names:
             setattr(top, name, _Segment(on_cpu(submodule, device), boxed=False, single_output=False))
-            continue
-        compiled = compile_segment(submodule, segment_example_inputs(submodule), ctx.for_segment(k))
-        setattr(top, name, _Segment(compiled, boxed=True, single_output=returns_one_value(submodule)))
+        else:
+            run, single = compiled[name]
+            setattr(top, name, _Segment(run, boxed=True, single_output=single))
 
     def run(args):
         out = top(*args)

@@ -18,19 +18,19 @@ autograd still holds the saved tensors, and nothing is freed early.
 
 Three stages, each printable: ``segment_ids`` (where the cuts fall),
 ``split_backward`` (the split graph, ``SplitBackward.as_text``),
-``compile_split`` (the ``ReleasingRunner`` aot_autograd calls).
+``ReleasingRunner`` (what aot_autograd calls, over the segments the compiler built from
+``fallback.parts``).
 """
 from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from .fallback import returns_one_value, segment_example_inputs
 
 # Automatic splitting (``backward_segments`` unset): into this many segments, where the
 # split releases at least AUTO_MIN_RELEASED bytes and AUTO_MIN_SHARE of the activations
@@ -255,13 +255,3 @@ class ReleasingRunner:
             for value in self._release_after.get(node, ()):
                 del env[value]
         raise RuntimeError("donate_xla: a split backward has no output node")
-
-
-def compile_split(split: SplitBackward, ctx, compile_segment: Callable) -> ReleasingRunner:
-    """Compile each segment with ``compile_segment(submodule, example_inputs,
-    ctx.for_segment(k))`` (the XLA path's ``compile_graph``)."""
-    compiled = {}
-    for k, (name, submodule) in enumerate(split.top.named_children()):
-        run = compile_segment(submodule, segment_example_inputs(submodule), ctx.for_segment(k))
-        compiled[name] = (run, returns_one_value(submodule))
-    return ReleasingRunner(split, compiled)
