@@ -1,9 +1,5 @@
 """Donated buffers against everything else that may still read them: copies, clones,
 backups, aliases and values read on the host between compiled calls.
-
-Each program runs compiled with donate_xla on XLA and eagerly on the CPU (the oracle)
-from the same initial values, for several steps; every returned value and every piece
-of state is compared (``eager_oracle.run_against_eager``).
 """
 import pytest
 import torch

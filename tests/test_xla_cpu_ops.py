@@ -1,9 +1,5 @@
 """Programs whose graphs hold ops torch_xla cannot lower: they run on the CPU between
 XLA segments (xla/fallback.py), with eager's values and gradients.
-
-Each program runs compiled with donate_xla on XLA and eagerly on the CPU (the oracle)
-from the same initial values, for several steps; every returned value and every piece
-of state is compared (``eager_oracle.run_against_eager``).
 """
 import functools
 

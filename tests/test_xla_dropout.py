@@ -1,9 +1,5 @@
 """Dropout on the XLA path: the mask saved for the backward, its scale, and its
 recomputation under an activation budget.
-
-Each program runs compiled with donate_xla on XLA and eagerly on the CPU (the oracle)
-from the same initial values, for several steps; every returned value and every piece
-of state is compared (``eager_oracle.run_against_eager``).
 """
 import copy
 

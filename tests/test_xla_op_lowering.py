@@ -1,9 +1,5 @@
 """Single ops torch_xla lowers differently from the CPU: the workarounds of xla/ops.py
 and xla/rewrite.py, each against eager, and the lowerings donate_xla refuses.
-
-Each program runs compiled with donate_xla on XLA and eagerly on the CPU (the oracle)
-from the same initial values, for several steps; every returned value and every piece
-of state is compared (``eager_oracle.run_against_eager``).
 """
 import pytest
 import torch

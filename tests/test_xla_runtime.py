@@ -1,4 +1,5 @@
 """Runtime behaviour: cache eviction, switches, host scalars, logging."""
+import dataclasses
 import logging
 import os
 import subprocess
@@ -96,6 +97,20 @@ def test_an_evicted_variant_is_lowered_again_from_its_own_request(xla_device, mo
     assert slot.kind == "result" and torch.allclose(results[slot.index].cpu(), g0 * 2)
     executable._write_back(inputs, ran, results)
     assert torch.allclose(inputs[0].cpu(), p0 - 2.5 * g0)
+
+
+def test_a_sharded_request_is_lowered_with_the_calls_inputs_and_only_it(xla_device):
+    """Under SPMD a request is traced on the call's device tensors; lowering one without
+    them (or an unsharded one with them) is refused, naming the graph."""
+    from donate_backend.xla.lower import LoweringRequest, lower
+
+    inputs = (torch.randn(4).to(xla_device), torch.randn(4).to(xla_device))
+    request = LoweringRequest(_update_graph(), inputs, "graph 5 inference", donors=(0,))
+    message = r"graph 5 inference: lower\(\) takes the call's inputs \(real_inputs\) for a sharded request"
+    with pytest.raises(ValueError, match=message):
+        lower(dataclasses.replace(request, sharded=True))
+    with pytest.raises(ValueError, match=message):
+        lower(request, list(inputs))
 
 
 def test_donation_switch_recompiles_and_turns_aliasing_off():

@@ -1,9 +1,5 @@
 """Stitched steps (DONATE_XLA_STITCH): graphs run later, inside the lazy whole-step
 computation, and share state with eager code and with executables.
-
-Each program runs compiled with donate_xla on XLA and eagerly on the CPU (the oracle)
-from the same initial values, for several steps; every returned value and every piece
-of state is compared (``eager_oracle.run_against_eager``).
 """
 import pytest
 import torch

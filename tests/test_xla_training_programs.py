@@ -1,9 +1,5 @@
 """Ordinary training programs (several models or optimizers, metrics, hooks, AMP,
 checkpointing, recompiles), compiled with donate_xla on XLA against eager on the CPU.
-
-Each program runs compiled with donate_xla on XLA and eagerly on the CPU (the oracle)
-from the same initial values, for several steps; every returned value and every piece
-of state is compared (``eager_oracle.run_against_eager``).
 """
 import pytest
 import torch

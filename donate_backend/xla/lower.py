@@ -142,7 +142,10 @@ def lower(request: LoweringRequest, real_inputs: Optional[Sequence] = None) -> L
     no placeholder alive.
     """
     if request.sharded != (real_inputs is not None):
-        raise ValueError(f"{request.graph_name}: a sharded request is lowered on the call's inputs, and only it")
+        raise ValueError(
+            f"{request.graph_name}: lower() takes the call's inputs (real_inputs) for a sharded request, "
+            "and only for one"
+        )
     gm, example_inputs, graph_name = request.graph, request.example_inputs, request.graph_name
     donors, requested_donors = request.donors, request.requested_donors
     output_shardings, host_values, stitch = request.output_shardings, request.host_values, request.stitch
