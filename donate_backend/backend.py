@@ -164,6 +164,26 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
+@dataclasses.dataclass(frozen=True)
+class GraphRequest:
+    """What the backend compiles one dynamo graph from, besides its example inputs:
+    the graph after the path's rewrites, what was learnt from it, and the settings of
+    its compiled function. A graph planned under a memory limit keeps it (with fake
+    inputs) to compile the graph again under a lower limit (``limit.LimitedGraph``)."""
+
+    graph_id: int
+    gm: torch.fx.GraphModule
+    path: object  # the path module: donate_backend.xla or donate_backend.native
+    roles: tuple  # one role per dynamo input (analysis.mutation)
+    captured: object  # what the path's ``capture`` hook returned
+    overrides: tuple  # torch.compile(options=...) of this function, as config overrides
+
+    def with_limit(self, limit: int) -> "GraphRequest":
+        """The same graph under another ``memory_limit`` (for this function only)."""
+        others = tuple((k, v) for k, v in self.overrides if k != "memory_limit")
+        return dataclasses.replace(self, overrides=others + (("memory_limit", limit),))
+
+
 def donate_xla(gm: torch.fx.GraphModule, example_inputs, **compile_arguments):
     """Dynamo backend entry point (registered as ``"donate_xla"``)."""
     graph_id = next(_graph_ids)
@@ -175,8 +195,22 @@ def donate_xla(gm: torch.fx.GraphModule, example_inputs, **compile_arguments):
         path.prepare_dynamo_graph(gm)
         roles = dynamo_input_roles(gm, example_inputs)
         captured = path.capture(gm, example_inputs)  # here: inside dynamo, before aot_autograd
+        request = GraphRequest(graph_id, gm, path, roles, captured, overrides)
+        compiled = compile_request(request, example_inputs)
+        limit = config.current().memory_limit
+    if limit is None:
+        return compiled
+    from .limit import LimitedGraph
+
+    return LimitedGraph(request, example_inputs, compiled, compile_request, limit)
+
+
+def compile_request(request: GraphRequest, example_inputs) -> Callable:
+    """aot_autograd over ``request.gm``, each of its graphs compiled by the request's path."""
+    with config.overriding(request.overrides):
         make = functools.partial(
-            _kind_compiler, path.compile_graph, graph_id, roles, captured=captured, overrides=overrides
+            _kind_compiler, request.path.compile_graph, request.graph_id, request.roles,
+            captured=request.captured, overrides=request.overrides,
         )
         aot_options = dict(
             fw_compiler=make("forward"),
@@ -184,10 +218,10 @@ def donate_xla(gm: torch.fx.GraphModule, example_inputs, **compile_arguments):
             inference_compiler=make("inference"),
             keep_inference_input_mutations=True,
         )
-        aot_options.update(path.aot_options())
+        aot_options.update(request.path.aot_options())
         if "partition_fn" in aot_options:
-            aot_options["partition_fn"] = guard_stale_reads(aot_options["partition_fn"], graph_id)
-        return aot_autograd(**aot_options)(gm, example_inputs)
+            aot_options["partition_fn"] = guard_stale_reads(aot_options["partition_fn"], request.graph_id)
+        return aot_autograd(**aot_options)(request.gm, example_inputs)
 
 
 def guard_stale_reads(partition_fn: Callable, graph_id: int) -> Callable:
@@ -201,7 +235,8 @@ def guard_stale_reads(partition_fn: Callable, graph_id: int) -> Callable:
             fw_module, bw_module = partition_fn(joint, joint_inputs, **kwargs)
         except budget.MemoryLimitError as error:
             raise budget.MemoryLimitError(
-                str(error.args[0]).replace("this graph's", f"graph {graph_id}'s", 1)
+                str(error.args[0]).replace("this graph's", f"graph {graph_id}'s", 1),
+                least_bytes=error.least_bytes,
             ) from None
         stale_reads.check_backward_reads(fw_module, bw_module, overwritten, f"graph {graph_id}")
         return fw_module, bw_module

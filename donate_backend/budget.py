@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from typing import Optional
 
 import torch
 import torch.fx
@@ -30,21 +31,13 @@ log = logging.getLogger("donate_xla")
 
 
 SHARES = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)  # activation budgets tried under a memory limit
+SHARE_META = "donate_xla_budget_share"  # a candidate backward's meta: the budget it was partitioned at
 CHOICE_META = "donate_xla_budget_choice"  # forward module meta: what the limit chose, as text
 # forward module meta: seconds spent choosing (the candidates' partitions and predictions)
 PLAN_SECONDS_META = "donate_xla_plan_seconds"
 PLAN_PHASE = "memory limit plan"  # the phase of a forward's compile_seconds those seconds are
-PLANNED_LIMIT_META = "donate_xla_planned_limit"  # forward module meta: the limit (bytes) it was planned for
-
-
-def limit_check(fw_module: torch.fx.GraphModule, graph_name: str, path: str):
-    """A ``planner.LimitCheck`` for a forward a memory limit was planned for, else None."""
-    limit = fw_module.meta.get(PLANNED_LIMIT_META)
-    if limit is None:
-        return None
-    from .planner import LimitCheck
-
-    return LimitCheck(graph_name, path, limit)
+# forward module meta: the step peak (bytes) predicted for the forward and backward a limit chose
+PLANNED_PEAK_META = "donate_xla_planned_peak"
 
 
 def plan_phase(fw_module: torch.fx.GraphModule) -> tuple:
@@ -57,6 +50,10 @@ class MemoryLimitError(DonateXlaError):
     """No activation budget fits a graph's step under ``memory_limit``."""
 
     help_section = "Memory plan"
+
+    def __init__(self, *args, least_bytes: Optional[int] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.least_bytes = least_bytes  # the least any candidate plan was predicted to need
 
 
 def partition(min_cut, *args, fit: bool = False, predict_step=None, **kwargs):
@@ -85,6 +82,7 @@ def _fit(min_cut, settings, predict_step, joint, *args, **kwargs):
     for share in shares:
         candidate = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))  # meta values shared
         fw_module, bw_module = _partition_at(share, min_cut, candidate, *args, **kwargs)
+        bw_module.meta[SHARE_META] = share
         peak, parts = predict_step(fw_module, bw_module, kwargs.get("num_fwd_outputs"))
         tried.append((share, peak, parts))
         if peak <= limit:
@@ -93,7 +91,7 @@ def _fit(min_cut, settings, predict_step, joint, *args, **kwargs):
                 f"(predicted step peak {_mib(peak)}; tried {', '.join(f'{s:g}: {_mib(p)}' for s, p, _ in tried)})"
             )
             fw_module.meta[PLAN_SECONDS_META] = time.perf_counter() - started
-            fw_module.meta[PLANNED_LIMIT_META] = limit
+            fw_module.meta[PLANNED_PEAK_META] = peak
             return fw_module, bw_module
     share, least, parts = min(tried, key=lambda t: t[1])
     largest = ", ".join(f"{c} {_mib(b)}" for c, b in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if b > 0)
@@ -102,7 +100,8 @@ def _fit(min_cut, settings, predict_step, joint, *args, **kwargs):
         f"least of the activation budgets tried: {', '.join(f'{s:g}' for s, _, _ in tried)}; "
         f"at {share:g}), but memory_limit is {_mib(limit)} ({limit} bytes); largest at the peak: "
         f"{largest}. Nothing has run. Raise the limit, or lower what the step holds (a smaller "
-        "batch, fewer parameters on this device)."
+        "batch, fewer parameters on this device).",
+        least_bytes=least,
     )
 
 

@@ -131,7 +131,9 @@ class MemoryPlan:
 
 
 def _step_order(records: Sequence[report.GraphRecord]) -> List[report.GraphRecord]:
-    ran = sorted((r for r in records if r.first_call is not None), key=lambda r: r.first_call)
+    # in the order of the last step (a graph compiled again under a memory limit
+    # first ran after the optimizer's graph, but runs before it)
+    ran = sorted((r for r in records if r.first_call is not None), key=lambda r: r.last_call)
     waiting = [r for r in records if r.first_call is None]
     rank = {"forward": 0, "backward": 1, "inference": 2}
     waiting.sort(key=lambda r: (rank.get(r.kind, 3), -r.graph_id if r.kind == "backward" else r.graph_id))
@@ -315,50 +317,3 @@ def memory_plan(
         path=path,
         notes=tuple(notes),
     )
-
-
-class LimitCheck:
-    """The check of a ``memory_limit`` against the whole step, once it has run.
-
-    The limit is planned while a forward and its backward are compiled
-    (``budget.partition``): optimizer state does not exist yet then (the
-    optimizer's first step makes it) and no graph input carries it. Once the step
-    has run ``STEPS`` times, its plan counts that state as resident; a plan over
-    the limit is reported with a warning that names the excess, once per graph.
-    """
-
-    STEPS = 2  # the first step makes the state, the second runs with it
-
-    def __init__(self, graph_name: str, path: str, limit: int):
-        self.graph_name, self.path, self.limit = graph_name, path, limit
-        self._calls = 0
-
-    def on_call(self) -> None:
-        """A call of the forward: at the first one after ``STEPS`` steps, check."""
-        self._calls += 1
-        if self._calls == self.STEPS + 1:
-            self.check()
-
-    def check(self) -> Optional[str]:
-        """The warning given (None: within the limit, or no plan)."""
-        import warnings
-
-        try:
-            plan = memory_plan([r for r in report.reports() if r.path == self.path], workspaces=False)
-        except DonateXlaError:
-            return None
-        if plan.peak_bytes <= self.limit:
-            return None
-        state = plan.breakdown.get(native_memory.OPTIMIZER_STATE, 0)
-        message = (
-            f"donate_xla: {self.graph_name}: memory_limit {self.limit / MIB:.1f} MiB was met by the "
-            f"forward and backward as planned when they were compiled, but the whole step as it now "
-            f"runs is predicted at {plan.peak_bytes / MIB:.1f} MiB, "
-            f"{(plan.peak_bytes - self.limit) / MIB:.1f} MiB over it"
-            + (f" (optimizer state {state / MIB:.1f} MiB, made by the optimizer's first step, was not "
-               "counted then)" if state else "")
-            + ". For the step to fit, lower memory_limit by the excess; donate_backend.memory_plan() "
-            "shows the step."
-        )
-        warnings.warn(message, stacklevel=3)
-        return message

@@ -85,7 +85,8 @@ class GraphRecord:
     output_storages: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
     outputs_held: Optional[dict] = None  # graph id -> bytes of that forward's outputs still alive
     tangents_passed_bytes: Optional[int] = None  # native backward: of its tangents, an earlier backward's outputs
-    budget_choice: Optional[str] = None  # native forward: the activation budget a memory_limit chose
+    budget_choice: Optional[str] = None  # forward: the activation budget a memory_limit chose
+    planned_peak: Optional[int] = None  # forward: the step peak predicted for that choice (bytes)
     # XLA path: the lowered graph (``xla.lower.LoweredGraph``); ``lowered.traced`` is
     # the traced stage. Each prints itself with ``as_text()``.
     lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -129,6 +130,13 @@ def reports() -> list[GraphRecord]:
     """All graph records so far, oldest first."""
     with _lock:
         return list(_records)
+
+
+def discard(records) -> None:
+    """Remove ``records`` (the graphs of a function compiled again, which no longer run)."""
+    gone = {id(r) for r in records}
+    with _lock:
+        _records[:] = [r for r in _records if id(r) not in gone]
 
 
 def clear_reports() -> None:

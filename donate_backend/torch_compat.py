@@ -34,6 +34,43 @@ def tracing(context):
     return enter_tracing(context)
 
 
+def fake_copies(values):
+    """``(fake_mode, values)`` with each tensor of ``values`` replaced by a fake tensor
+    of a new ``FakeTensorMode`` (static shapes; a parameter stays a parameter), for
+    aot_autograd to trace again later without holding the real tensors; None when a
+    value is symbolic (dynamic shapes) or not a tensor or a number, or fake tensors
+    are missing."""
+    import torch
+
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError:
+        return None
+    mode = FakeTensorMode()
+    copies = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if any(not isinstance(size, int) for size in value.shape):
+                return None
+            copies.append(mode.from_tensor(value, static_shapes=True))
+        elif value is None or (isinstance(value, (int, float, bool)) and not isinstance(value, torch.SymInt)):
+            copies.append(value)
+        else:
+            return None
+    return mode, copies
+
+
+def fresh_tracing(fake_mode):
+    """Context manager: a new aot_autograd ``TracingContext`` over ``fake_mode``, as
+    dynamo gives one to a backend (the compilers read the forward's metadata from it);
+    a no-op when torch has none."""
+    try:
+        from torch._guards import TracingContext, tracing as enter_tracing
+    except ImportError:
+        return contextlib.nullcontext()
+    return enter_tracing(TracingContext(fake_mode))
+
+
 def forward_output_count() -> Optional[int]:
     """In a forward's compiler: how many of its outputs are the caller's (the rest are
     saved for the backward), from the tracing context's metadata; None if unknown."""

@@ -7,6 +7,7 @@ gradients set to None first: the growth ``MemoryPlan.growth_bytes`` predicts.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -339,39 +340,97 @@ def _assert_planning_time_reported(records):
     assert "chosen under memory_limit" in line and f"planned in {phases['memory limit plan']:.3f}s" in line
 
 
-def test_a_limit_the_optimizer_state_breaks_is_reported_once_the_step_has_run():
-    """The limit is planned while the forward and backward compile, before SGD's momentum
-    exists: a limit they meet but the whole compiled step with its momentum does not
-    gives one warning, after the second step, naming the state; a limit above the whole
-    step gives none."""
+def _compiled_training(model, make_optimizer, x, options, steps):
+    """Compile a whole step (forward, backward, ``make_optimizer(model)``'s step) with
+    ``options`` and run it ``steps`` times; returns the losses and the warnings about
+    memory_limit."""
     import warnings
 
-    model = _six_layers()
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    x = torch.randn(256, 512)
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    optimizer = make_optimizer(model)
 
     def step(x):
-        model(x).square().mean().backward()
+        loss = model(x).square().mean()
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
-    def train(options, steps):
-        torch._dynamo.reset()
-        donate_backend.clear_reports()
-        run = torch.compile(step, backend="donate_xla", options=options)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            for _ in range(steps):
-                run(x)
-        return [str(w.message) for w in seen if "memory_limit" in str(w.message)]
+    run = torch.compile(step, backend="donate_xla", options=options)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        losses = [float(run(x)) for _ in range(steps)]
+    return losses, [str(w.message) for w in seen if "memory_limit" in str(w.message)]
 
-    assert train({}, 3) == []
+
+def test_a_limit_the_optimizer_state_breaks_is_planned_again_with_the_state_counted():
+    """The limit is planned while the forward and backward compile, before Adam's state
+    exists: a limit they meet at the full activation budget but the whole step with its
+    12 MiB of state does not is planned again after the second step, with the state
+    counted. The graph is compiled again under the limit less what the rest of the step
+    holds (recomputing some activations), the whole step's plan fits, nothing warns, and
+    five steps equal eager's. A limit above the whole step is never planned again."""
+    eager = _six_layers()
+    params = sum(p.numel() * p.element_size() for p in eager.parameters())
+    x = torch.randn(2048, 512)
+    adam = lambda model: torch.optim.Adam(model.parameters(), lr=1e-3)  # noqa: E731
+
+    assert _compiled_training(copy.deepcopy(eager), adam, x, {}, 3)[1] == []
+    default = donate_backend.memory_plan(workspaces=False)
+    assert default.breakdown["optimizer state"] == pytest.approx(2 * params, abs=KIB)  # and the step counts
+    limit = default.peak_bytes - params
+    model = copy.deepcopy(eager)
+    losses, warned = _compiled_training(model, adam, x, {"memory_limit": limit}, 5)
+    fitted = donate_backend.memory_plan(workspaces=False)
+    print(f"\nlimit {limit / 2**20:.1f} MiB; default {default.peak_bytes / 2**20:.1f} MiB\n{fitted.as_text()}")
+    assert warned == []
+    assert fitted.peak_bytes <= limit < default.peak_bytes
+    (choice,) = [c for c in fitted.choices if "chosen under memory_limit" in c]
+    assert "planned again after 2 steps" in choice and "optimizer state 12.0 MiB" in choice
+    assert len([r for r in donate_backend.reports() if r.kind == "forward"]) == 1  # the first build's is gone
+
+    eager_losses, optimizer = [], adam(eager)
+    for _ in range(5):
+        loss = eager(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        eager_losses.append(float(loss))
+    assert losses == pytest.approx(eager_losses, rel=1e-4)
+    for got, expected in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+    _, warned = _compiled_training(copy.deepcopy(model), adam, x, {"memory_limit": default.peak_bytes + 2**20}, 4)
+    assert warned == []
+    assert not any("planned again" in c for c in donate_backend.memory_plan(workspaces=False).choices)
+
+
+def test_a_limit_no_plan_meets_once_the_optimizer_state_exists_is_refused_before_that_step():
+    """SGD's momentum step holds its temporaries at the step's peak, which no
+    recomputation lowers: a limit the forward and backward meet, but the whole step
+    with its momentum cannot, is refused at the third call, before that step runs, with
+    the bytes the step needs and the state named."""
+    from donate_backend.budget import MemoryLimitError
+
+    model = _six_layers()
+    x = torch.randn(256, 512)
+    momentum = lambda model: torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)  # noqa: E731
+    twin = copy.deepcopy(model)
+    _compiled_training(copy.deepcopy(model), momentum, x, {}, 3)
     whole = donate_backend.memory_plan(workspaces=False)
-    assert whole.breakdown["optimizer state"] == params
-    (warning,) = train({"memory_limit": whole.peak_bytes - params // 2}, 4)
-    assert "over it (optimizer state" in warning and "lower memory_limit by the excess" in warning
-    assert train({"memory_limit": whole.peak_bytes + 2**20}, 4) == []
+    limit = whole.peak_bytes - 2**20
+    with pytest.raises(MemoryLimitError) as refused:
+        _compiled_training(model, momentum, x, {"memory_limit": limit}, 3)
+    _compiled_training(twin, momentum, x, {}, 2)
+    assert all(torch.equal(got, after_two) for got, after_two in zip(model.parameters(), twin.parameters()))
+    text = str(refused.value)
+    print(text)
+    assert re.search(r"once the optimizer's first step made its state \(6\.0 MiB\), the step needs at least "
+                     r"[\d.]+ MiB \(\d+ bytes\)", text), text
+    assert f"memory_limit is {limit / 2**20:.1f} MiB ({limit} bytes)" in text and "this one has not run" in text
+    assert refused.value.least_bytes > limit
+    assert refused.value.least_bytes == pytest.approx(whole.peak_bytes, rel=0.05)
 
 
 def test_a_limits_prediction_keeps_the_weights_the_backward_reads_resident(monkeypatch):

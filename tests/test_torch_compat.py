@@ -65,3 +65,37 @@ def test_functions_dynamo_records_in_graphs():
     assert torch_compat.nn_function("no_such_function") is None
     assert torch_compat.set_grad_enabled_function() is not None
     assert torch_compat.get_data_attr_function() is not None
+
+
+def test_fake_copies_trace_again_without_the_real_tensors_and_their_fallback(monkeypatch):
+    """A graph compiled again under a lower memory limit is traced from fake copies of
+    its example inputs, inside a fresh tracing context, as dynamo would give it."""
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    mode, (w, x, n) = torch_compat.fake_copies([weight, torch.randn(2, 4), 3])
+    assert isinstance(w, torch.nn.Parameter) and w.requires_grad and tuple(w.shape) == (4, 3)
+    assert type(x).__name__ == "FakeTensor" and n == 3
+    counts = []
+
+    def forward_compiler(gm, example_inputs):
+        counts.append(torch_compat.forward_output_count())
+        return gm
+
+    backend = torch_compat.aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: gm)
+    gm = torch.fx.symbolic_trace(lambda w, x, n: ((x @ w).sin().sum() * n,))
+    with torch_compat.fresh_tracing(mode):
+        backend(gm, [w, x, n])
+    assert counts == [1]  # the forward's metadata came through the fresh context
+    assert torch_compat.current_tracing_context() is None
+
+    assert torch_compat.fake_copies([torch.randn(2), "not a tensor"]) is None
+    real_import = builtins.__import__
+
+    def without(name, *args, **kwargs):
+        if name in ("torch._subclasses.fake_tensor", "torch._guards"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without)
+    assert torch_compat.fake_copies([torch.randn(2)]) is None
+    with torch_compat.fresh_tracing(None):
+        pass

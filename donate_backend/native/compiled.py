@@ -77,11 +77,10 @@ class CompiledGraph:
             num_inputs=len(example_inputs),
             held_inputs=_held_inputs(ctx) if ctx.kind != "backward" else (),
             budget_choice=gm.meta.get(budget.CHOICE_META),
+            planned_peak=gm.meta.get(budget.PLANNED_PEAK_META),
             phases=budget.plan_phase(gm),
         )
         self.record.compile_seconds = sum(s for _, s in self.record.phases)
-        # a forward planned under a memory limit: checked against the whole step once it has run
-        self._limit_check = budget.limit_check(gm, ctx.name, "native") if ctx.kind == "forward" else None
         self._builds = builds.BuildsPerSetting(self._build)
         self._current: Optional[executor.Built] = None
         self._current_build()  # for the settings in force: built now, inside aot_autograd
@@ -115,8 +114,6 @@ class CompiledGraph:
         return self.built.source
 
     def __call__(self, args: list):
-        if self._limit_check is not None:
-            self._limit_check.on_call()
         if self.record.first_call is None:
             return self._first_call(args)
         report.mark_call(self.record)

@@ -174,12 +174,11 @@ class CompiledGraph:
     """The boxed callable aot_autograd gets: the ``XlaExecutable`` built for the
     switches in force."""
 
-    def __init__(self, builds: BuildsPerSetting, graph: torch.fx.GraphModule, limit_check=None):
+    def __init__(self, builds: BuildsPerSetting, graph: torch.fx.GraphModule):
         # An instance attribute: dynamo's disable() wrapper copies __dict__ only.
         self._boxed_call = True
         self._builds = builds
         self._graph = graph
-        self._limit_check = limit_check  # planner.LimitCheck: a forward planned under a memory limit
 
     def executable(self) -> XlaExecutable:
         return self._builds.current()
@@ -189,8 +188,6 @@ class CompiledGraph:
             # traced, not run (torch_xla's scan traces its body with aot_function on fake
             # tensors): the graph's own ops, recorded by whoever traces, as aot_eager would
             return self._graph(*args)
-        if self._limit_check is not None:
-            self._limit_check.on_call()
         # under torch_xla's eager mode too, the call's own IR (copies, write-backs, a
         # stitched step) stays lazy: run op by op, a clone would share its source's buffer
         with compat.lazy_mode():
@@ -347,6 +344,7 @@ def compile_graph(gm, example_inputs, ctx):
                 input_shapes=tuple(tuple(t.shape) for t in examples if isinstance(t, torch.Tensor)) if symbolic else None,
                 lowered=lowered,
                 budget_choice=gm.meta.get(budget.CHOICE_META),
+                planned_peak=gm.meta.get(budget.PLANNED_PEAK_META),
                 memory=predicted,
                 phases=phases,
             )
@@ -388,7 +386,6 @@ def compile_graph(gm, example_inputs, ctx):
             )
         return executable_for(settings)
 
-    checked = budget.limit_check(gm, ctx.name, "xla") if ctx.kind == "forward" else None
-    executable = CompiledGraph(BuildsPerSetting(build), gm, checked)
+    executable = CompiledGraph(BuildsPerSetting(build), gm)
     executable.executable()  # compile now (dynamic shapes, SPMD: at the first call), under the switches in force
     return executable

@@ -1,0 +1,154 @@
+"""A memory limit kept by the whole step, optimizer state included.
+
+``budget.partition`` fits a forward and its backward under ``memory_limit``
+while they compile. That is before the optimizer's first step makes its
+state, so neither the state nor the optimizer's own graph is in that
+prediction. For each graph compiled under a limit the backend returns a
+``LimitedGraph``: it runs the compiled function, and once the step has run
+``STEPS`` times it plans the whole step (``planner.memory_plan``, the state
+counted as resident). A plan over the limit is planned again: the same dynamo
+graph, on fake copies of its inputs, goes through aot_autograd once more
+under the limit less what the step holds beyond the planned forward and
+backward (at least the state), so the least recomputation that fits with the
+state counted is chosen. When nothing fits (the rest of the step, such as the
+optimizer's graph, is over the limit by itself, or no activation budget brings
+the forward and backward under what is left), the call raises
+``MemoryLimitError`` before its step runs, with the bytes the step needs.
+
+It plans again once. It warns with the excess instead when it cannot compile
+the graph again (symbolic inputs), when the step's forward is several graphs
+each planned under a limit, and when the step is still over after planning
+again.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable, Optional
+
+from . import report, torch_compat
+from .budget import MemoryLimitError
+from .errors import DonateXlaError
+from .native import memory as native_memory
+from .planner import MemoryPlan, memory_plan
+
+MIB = 2**20
+STEPS = 2  # the first step makes the optimizer state, the second runs with it
+
+
+class LimitedGraph:
+    """The compiled function of a dynamo graph under ``memory_limit`` (see the module docstring)."""
+
+    def __init__(self, request, example_inputs, compiled: Callable, compile_request: Callable, limit: int):
+        self.request = request  # backend.GraphRequest
+        self.limit = limit
+        self.compiled = compiled
+        self._compile_request = compile_request  # backend.compile_request
+        self._fakes = torch_compat.fake_copies(example_inputs)  # None: cannot be compiled again
+        if getattr(compiled, "_boxed_call", False):
+            self._boxed_call = True  # an instance attribute: dynamo's disable() copies __dict__
+        self._calls = 0
+        self.replanned = False
+
+    def __call__(self, *args):
+        self._calls += 1
+        if self._calls == STEPS + 1:
+            self.check()
+        return self.compiled(*args)
+
+    def _records(self) -> list:
+        return [r for r in report.reports() if r.graph_id == self.request.graph_id]
+
+    def check(self) -> Optional[str]:
+        """Plan the whole step; over the limit, plan this graph again (or warn). Returns
+        what was done, as text (None: within the limit, or no plan)."""
+        own = self._records()
+        forward = next((r for r in own if r.kind == "forward" and r.planned_peak is not None), None)
+        if forward is None:  # no training step was planned (inference, an optimizer's graph)
+            return None
+        path = forward.path
+        try:
+            plan = memory_plan([r for r in report.reports() if r.path == path], workspaces=False)
+        except DonateXlaError:
+            return None
+        if plan.peak_bytes <= self.limit:
+            return None
+        limited = [r for r in report.reports()
+                   if r.path == path and r.kind == "forward" and r.planned_peak is not None]
+        if self._fakes is None or self.replanned or len(limited) > 1:
+            return self._warn(plan)
+        return self._plan_again(plan, forward)
+
+    def _warn(self, plan: MemoryPlan) -> str:
+        state = plan.breakdown.get(native_memory.OPTIMIZER_STATE, 0)
+        message = (
+            f"donate_xla: graph {self.request.graph_id}: the whole step is predicted at "
+            f"{plan.peak_bytes / MIB:.1f} MiB, {(plan.peak_bytes - self.limit) / MIB:.1f} MiB over "
+            f"memory_limit {self.limit / MIB:.1f} MiB"
+            + (f" (optimizer state {state / MIB:.1f} MiB)" if state else "")
+            + (", after planning it again with that counted" if self.replanned else
+               "; the limit was planned for the forward and backward when they compiled")
+            + ". For the step to fit, lower memory_limit by the excess; donate_backend.memory_plan() "
+            "shows the step."
+        )
+        warnings.warn(message, stacklevel=3)
+        return message
+
+    def _plan_again(self, plan: MemoryPlan, forward: report.GraphRecord) -> str:
+        graph_id = self.request.graph_id
+        old = self._records()
+        names = {r.name for r in old}
+        state = plan.breakdown.get(native_memory.OPTIMIZER_STATE, 0)
+        # The step's peak is the higher of the part from this graph's forward to the end of
+        # its backward (which recomputation lowers) and the rest (the optimizer's graph,
+        # which it does not).
+        at = [i for i, g in enumerate(plan.graphs) if g.name in names]
+        own_peak = max(g.peak_bytes for g in plan.graphs[at[0]:at[-1] + 1])
+        rest = plan.graphs[:at[0]] + plan.graphs[at[-1] + 1:]
+        rest_peak = max(rest, key=lambda g: g.peak_bytes, default=None)
+        # What the step holds beyond the forward and backward as planned: at least the
+        # state (the plan the limit chose never saw it), more where the whole step's plan
+        # of this part is above the prediction the choice was made with.
+        beyond = max(own_peak - forward.planned_peak, state)
+        lower = self.limit - beyond
+        started = time.perf_counter()
+        try:
+            if rest_peak is not None and rest_peak.peak_bytes > self.limit:
+                raise MemoryLimitError("", least_bytes=None)
+            if lower <= 0:
+                raise MemoryLimitError("", least_bytes=0)
+            mode, fakes = self._fakes
+            with torch_compat.fresh_tracing(mode):
+                compiled = self._compile_request(self.request.with_limit(lower), fakes)
+        except MemoryLimitError as error:
+            kept = {id(r) for r in old}
+            report.discard([r for r in self._records() if id(r) not in kept])
+            if error.least_bytes is None:  # the rest of the step alone is over the limit
+                need = rest_peak.peak_bytes
+                why = (f"{rest_peak.name} (outside this graph's forward and backward) peaks at "
+                       f"{need / MIB:.1f} MiB with the state counted, which no activation budget lowers")
+            else:
+                need = beyond + error.least_bytes
+                why = (f"{beyond / MIB:.1f} MiB beyond the forward and backward, which need at least "
+                       f"{error.least_bytes / MIB:.1f} MiB at any activation budget")
+            raise MemoryLimitError(
+                f"donate_xla: graph {graph_id}: once the optimizer's first step made its state "
+                f"({state / MIB:.1f} MiB), the step needs at least {need / MIB:.1f} MiB ({need} bytes): "
+                f"{why}; memory_limit is {self.limit / MIB:.1f} MiB ({self.limit} bytes). The first "
+                f"{STEPS} steps ran before the state existed; this one has not run. Raise the limit, "
+                "or lower what the step holds (a smaller batch, an optimizer with less state).",
+                least_bytes=need,
+            ) from None
+        report.discard(old)
+        self.compiled = compiled
+        self.replanned = True
+        self._calls = 1  # this call is the new graphs' first step
+        note = (
+            f"planned again after {STEPS} steps with the whole step counted (optimizer state "
+            f"{state / MIB:.1f} MiB; {beyond / MIB:.1f} MiB beyond the forward and backward): "
+            f"memory_limit {self.limit / MIB:.1f} MiB less that, in {time.perf_counter() - started:.2f}s"
+        )
+        for r in self._records():
+            if r.kind == "forward" and r.budget_choice:
+                r.budget_choice = f"{r.budget_choice}; {note}"
+        return note
