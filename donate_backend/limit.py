@@ -26,7 +26,7 @@ import time
 import warnings
 from typing import Callable, Optional
 
-from . import report, torch_compat
+from . import config, report, torch_compat
 from .budget import MemoryLimitError
 from .errors import DonateXlaError
 from .native import memory as native_memory
@@ -131,12 +131,19 @@ class LimitedGraph:
                 need = beyond + error.least_bytes
                 why = (f"{beyond / MIB:.1f} MiB beyond the forward and backward, which need at least "
                        f"{error.least_bytes / MIB:.1f} MiB at any activation budget")
+            with config.overriding(self.request.overrides):
+                stitched = config.current().stitch
+            stitch = ""
+            if forward.path == "xla" and not stitched:
+                stitch = (" On the XLA path a stitched step (options={'stitch': True}) runs the graphs as "
+                          "one XLA computation, which frees each gradient as the optimizer consumes it; "
+                          "the limit does not plan it (docs/donation.md, 'Below the floor').")
             raise MemoryLimitError(
                 f"donate_xla: graph {graph_id}: once the optimizer's first step made its state "
                 f"({state / MIB:.1f} MiB), the step needs at least {need / MIB:.1f} MiB ({need} bytes): "
                 f"{why}; memory_limit is {self.limit / MIB:.1f} MiB ({self.limit} bytes). The first "
                 f"{STEPS} steps ran before the state existed; this one has not run. Raise the limit, "
-                "or lower what the step holds (a smaller batch, an optimizer with less state).",
+                "or lower what the step holds (a smaller batch, an optimizer with less state)." + stitch,
                 least_bytes=need,
             ) from None
         report.discard(old)

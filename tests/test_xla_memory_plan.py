@@ -4,6 +4,7 @@ tests/test_xla_memory.py (a fresh process) and bench/xla_plan_accuracy.py."""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -276,3 +277,35 @@ def test_an_output_read_by_a_later_graph_is_not_counted_as_held_between_steps(xl
     assert expected <= plan.resident_bytes <= expected + 64  # and AdamW's 4-byte step counters
     assert plan.breakdown["inputs"] == _nbytes([x])
     assert any("graph breaks" in note for note in plan.notes), plan.notes
+
+
+def test_a_limit_the_optimizer_step_alone_breaks_is_refused_before_the_third_step(xla_device):
+    """SGD momentum on a small batch: the step's peak is the optimizer's graph (every
+    gradient, parameter and momentum buffer live), which no recomputation lowers. A
+    limit just under it is met by the forward and backward when they compile; at the
+    third call, with the momentum counted, it is refused before that step runs, with
+    the bytes needed and the stitched step named as the lever that could help."""
+    from donate_backend.budget import MemoryLimitError
+
+    eager = _layers(width=512, depth=4)
+    x = torch.randn(8, 512).to(xla_device)
+
+    def train(options, steps):
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
+        model = copy.deepcopy(eager).to(xla_device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        step = torch.compile(squared_mean_step(model, opt), backend="donate_xla", options=options)
+        _train(model, step, x, steps=steps)
+
+    train({}, 3)
+    whole = donate_backend.memory_plan()
+    assert whole.graphs[-1].peak_bytes == whole.peak_bytes  # the optimizer's graph holds the peak
+    limit = whole.peak_bytes - MIB
+    with pytest.raises(MemoryLimitError) as refused:
+        train({"memory_limit": limit}, 3)
+    text = str(refused.value)
+    assert re.search(r"the step needs at least [\d.]+ MiB \(\d+ bytes\): graph \d+ inference \(outside this "
+                     r"graph's forward and backward\) peaks at", text), text
+    assert "this one has not run" in text and "options={'stitch': True}" in text
+    assert refused.value.least_bytes == whole.peak_bytes
