@@ -309,3 +309,31 @@ def test_a_limit_the_optimizer_step_alone_breaks_is_refused_before_the_third_ste
                      r"graph's forward and backward\) peaks at", text), text
     assert "this one has not run" in text and "options={'stitch': True}" in text
     assert refused.value.least_bytes == whole.peak_bytes
+
+
+@pytest.mark.parametrize("segments", [8])
+def test_a_backward_in_segments_ends_where_the_whole_backward_ends(xla_device, segments):
+    """Split into segments, a backward still leaves the gradients and nothing of what it
+    read: a saved activation two segments read, or a weight's view one segment passes to
+    the next, is let go once (after its last reader), or not at all (a view of a
+    parameter). Each was let go by every segment that read it, and the step's level
+    after the backward fell below the resident bytes plus the gradients."""
+    eager = _layers(width=512, depth=6)
+    x = torch.randn(512, 512).to(xla_device)
+
+    def backward_end(options):
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
+        model = copy.deepcopy(eager).to(xla_device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        _train(model, torch.compile(squared_mean_step(model, opt), backend="donate_xla", options=options), x, steps=2)
+        plan = donate_backend.memory_plan()
+        backwards = [g for g in plan.graphs if "backward" in g.name]
+        return plan, len(backwards), backwards[-1].end_bytes
+
+    whole, count, end = backward_end({"backward_segments": 0})
+    assert count == 1
+    assert 0 <= end - whole.resident_bytes - _nbytes(eager.parameters()) <= 64  # the gradients (and the loss)
+    split, count, split_end = backward_end({"backward_segments": segments})
+    assert count > 1
+    assert split_end == end

@@ -313,7 +313,7 @@ def compile_graph(gm, example_inputs, ctx):
         predicted_at = time.perf_counter()
         predicted = xla_memory.predict_or_none(
             gm, ctx.name, ctx.kind, donors=lowered.donors if not stitch else (choice.donors if donation else ()),
-            forward_returns=_num_user_outputs(ctx),
+            forward_returns=_num_user_outputs(ctx), kept_inputs=gm.meta.get(fallback.KEPT_INPUTS_META, ()),
         )
         phases = planning + (("donors", start - analysed),) + lowered.phases + (
             ("memory prediction", time.perf_counter() - predicted_at),

@@ -150,13 +150,47 @@ class Part:
     single_output: bool  # it returns one value, not a tuple
 
 
+# a part's module meta: the indices of its inputs that outlive it (read by a later part, or
+# returned by the whole graph), which its memory prediction does not release
+KEPT_INPUTS_META = "donate_xla_kept_inputs"
+
+
 def parts(top: torch.fx.GraphModule, ctx, skip=frozenset()) -> list:
     """The submodules of ``top`` in order, as ``Part``s, but those named in ``skip``."""
+    _mark_kept_inputs(top)
     return [
         Part(name, submodule, segment_example_inputs(submodule), ctx.for_segment(k), returns_one_value(submodule))
         for k, (name, submodule) in enumerate(top.named_children())
         if name not in skip
     ]
+
+
+def _mark_kept_inputs(top: torch.fx.GraphModule) -> None:
+    """Note on each submodule (``KEPT_INPUTS_META``) which of its inputs a later
+    submodule reads, or the whole graph returns: a saved activation that two backward
+    segments read is let go after the second, not after each."""
+    from .memory import aliased_outputs
+
+    calls = [n for n in top.graph.nodes if n.op == "call_module"]
+    position = {n: i for i, n in enumerate(calls)}
+    returned = set(top.graph.output_node().all_input_nodes)
+    aliases = set()  # values a submodule returned as views of its inputs: no buffer of their own
+    for node in calls:
+        viewed = aliased_outputs(getattr(top, node.target).graph)
+        if viewed is True:  # it returns one value, a view of an input
+            aliases.add(node)
+        for user in node.users:
+            if user.target is operator.getitem and user.args[1] in viewed:
+                aliases.add(user)
+    for node in calls:
+        kept = []
+        for index, arg in enumerate(node.args):
+            if not isinstance(arg, torch.fx.Node):
+                continue
+            later = any(u.op == "call_module" and position[u] > position[node] for u in arg.users)
+            if later or arg in returned or arg in aliases:
+                kept.append(index)
+        getattr(top, node.target).meta[KEPT_INPUTS_META] = tuple(kept)
 
 
 def runner(split: CpuSplit, compiled: dict, device: torch.device) -> Callable:

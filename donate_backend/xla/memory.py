@@ -105,11 +105,13 @@ def predict(
     *,
     donors: Sequence[int] = (),
     forward_returns: Optional[int] = None,
+    kept_inputs: Sequence[int] = (),
 ) -> GraphMemory:
     """The executable's memory (see the module docstring), as a ``GraphMemory`` the
     planner composes like a native graph's. ``donors``: indices of the inputs donated;
     ``forward_returns``: in a forward, how many outputs are the caller's (the rest are
-    saved for the backward)."""
+    saved for the backward); ``kept_inputs``: in a backward segment, the inputs that
+    outlive it (a later segment reads them), which it does not release."""
     placeholders = list(graph.find_nodes(op="placeholder"))
     donated = {placeholders[i] for i in donors if i < len(placeholders)}
     written = _writebacks(graph)
@@ -197,7 +199,10 @@ def predict(
     tangent_bytes = 0
     released = 0
     if kind == "backward":
+        kept = {placeholders[i] for i in kept_inputs if i < len(placeholders)}
         for node in placeholders:
+            if node in kept:
+                continue
             size = _bytes(node)
             if node.name.startswith("tangents"):
                 tangent_bytes += size
@@ -229,6 +234,15 @@ def _is_view(node: torch.fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
     return alias is not None and not alias.is_write
+
+
+def aliased_outputs(graph: torch.fx.Graph):
+    """The indices of the outputs of ``graph`` that are its inputs or views of them
+    (no buffer of their own); True when it returns one such value rather than a tuple."""
+    value = graph.output_node().args[0]
+    if not isinstance(value, (tuple, list)):
+        return isinstance(value, torch.fx.Node) and _view_base(value).op == "placeholder"
+    return {i for i, v in enumerate(value) if isinstance(v, torch.fx.Node) and _view_base(v).op == "placeholder"}
 
 
 def _view_base(node: torch.fx.Node) -> torch.fx.Node:
