@@ -442,7 +442,8 @@ DONATION_ROWS = {
     "openxla_flagged": "openxla, donors flagged by hand", "lazy": "plain torch_xla (lazy)",
     "lazy_sched": "lazy, memory scheduler", "jax": "JAX (`jax.jit`, donated)",
     "jax_remat": "JAX, blocks under `jax.checkpoint`",
-    "donate_xla_limit_0.7": "donate_xla, `memory_limit` 0.7 x its default peak",
+    "donate_xla_limit_0.7": "donate_xla, `memory_limit` at resident + 0.7 x default growth",
+    "donate_xla_limit_0.8": "donate_xla, `memory_limit` at resident + 0.8 x default growth",
 }
 
 
