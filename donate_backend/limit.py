@@ -17,8 +17,8 @@ the forward and backward under what is left), the call raises
 
 It plans again once. It warns with the excess instead when it cannot compile
 the graph again (symbolic inputs), when the step's forward is several graphs
-each planned under a limit, and when the step is still over after planning
-again.
+each planned under a limit, when the step is still over after planning
+again, and when the step is stitched (XLA: its plan is an upper bound).
 """
 from __future__ import annotations
 
@@ -73,20 +73,27 @@ class LimitedGraph:
             return None
         if plan.peak_bytes <= self.limit:
             return None
-        limited = [r for r in report.reports()
-                   if r.path == path and r.kind == "forward" and r.planned_peak is not None]
+        same_path = [r for r in report.reports() if r.path == path]
+        if any(r.stitched for r in same_path):
+            # one XLA computation, which frees gradients as the optimizer consumes them:
+            # the plan counts separate executables, an upper bound, so nothing is refused
+            return self._warn(plan, upper_bound=True)
+        limited = [r for r in same_path if r.kind == "forward" and r.planned_peak is not None]
         if self._fakes is None or self.replanned or len(limited) > 1:
             return self._warn(plan)
         return self._plan_again(plan, forward)
 
-    def _warn(self, plan: MemoryPlan) -> str:
+    def _warn(self, plan: MemoryPlan, upper_bound: bool = False) -> str:
         state = plan.breakdown.get(native_memory.OPTIMIZER_STATE, 0)
         message = (
             f"donate_xla: graph {self.request.graph_id}: the whole step is predicted at "
             f"{plan.peak_bytes / MIB:.1f} MiB, {(plan.peak_bytes - self.limit) / MIB:.1f} MiB over "
             f"memory_limit {self.limit / MIB:.1f} MiB"
             + (f" (optimizer state {state / MIB:.1f} MiB)" if state else "")
-            + (", after planning it again with that counted" if self.replanned else
+            + ("; the step is stitched (one XLA computation, which frees each gradient as the "
+               "optimizer consumes it), and the plan, which counts its graphs as separate "
+               "executables, is an upper bound: it may fit" if upper_bound else
+               ", after planning it again with that counted" if self.replanned else
                "; the limit was planned for the forward and backward when they compiled")
             + ". For the step to fit, lower memory_limit by the excess; donate_backend.memory_plan() "
             "shows the step."

@@ -309,6 +309,11 @@ def test_a_limit_the_optimizer_step_alone_breaks_is_refused_before_the_third_ste
                      r"graph's forward and backward\) peaks at", text), text
     assert "this one has not run" in text and "options={'stitch': True}" in text
     assert refused.value.least_bytes == whole.peak_bytes
+    with warnings.catch_warnings(record=True) as seen:  # the lever it names: an upper bound, not refused
+        warnings.simplefilter("always")
+        train({"memory_limit": limit, "stitch": True}, 4)
+    (warned,) = [str(w.message) for w in seen if "memory_limit" in str(w.message)]
+    assert "the step is stitched" in warned and "upper bound" in warned
 
 
 @pytest.mark.parametrize("segments", [8])
