@@ -334,7 +334,7 @@ def main() -> None:
               f"{mib(floor):.0f} MiB (grads {mib(grad_bytes):.0f} + saved activations {mib(saved_bytes):.0f})")
         print_table(model_name, runs_by_allocator, floor, summary)
         for backend, run in refused.items():
-            print(f"{backend:24} refused before the step ran (limit {mib(run['limit']):.1f} MiB): {run['refused']}")
+            print(f"{backend:24} refused before a step ran (limit {mib(run['limit']):.1f} MiB): {run['refused']}")
         for backend in LIMIT_ROWS:
             for run in runs_by_allocator["live"].get(backend, [])[:1]:
                 peak = run["state_bytes"] + run["transient"]
