@@ -44,7 +44,8 @@ class LimitedGraph:
         self.limit = limit
         self.compiled = compiled
         self._compile_request = compile_request  # backend.compile_request
-        self._fakes = torch_compat.fake_copies(example_inputs)  # None: cannot be compiled again
+        # None: cannot be compiled again (a graph with symbolic sizes would come back static)
+        self._fakes = None if _symbolic(request.gm) else torch_compat.fake_copies(example_inputs)
         if getattr(compiled, "_boxed_call", False):
             self._boxed_call = True  # an instance attribute: dynamo's disable() copies __dict__
         self._calls = 0
@@ -166,3 +167,16 @@ class LimitedGraph:
             if r.kind == "forward" and r.budget_choice:
                 r.budget_choice = f"{r.budget_choice}; {note}"
         return note
+
+
+def _symbolic(gm) -> bool:
+    """Whether dynamo traced ``gm`` with symbolic sizes (dynamic shapes)."""
+    import torch
+
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            return True
+        if isinstance(value, torch.Tensor) and any(not isinstance(d, int) for d in value.shape):
+            return True
+    return False

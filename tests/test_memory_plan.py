@@ -487,3 +487,47 @@ def test_size_hint_reads_a_symbolic_size_without_guarding_on_it(monkeypatch):
     assert len(env.guards) == 0  # int(size) would have specialised the graph to n == 7
     monkeypatch.setattr(type(size.node), "hint", property(lambda self: None))
     assert compat.size_hint(size) is None  # no hint (a data-dependent size): unknown
+
+
+def test_a_limit_on_a_graph_with_symbolic_sizes_warns_instead_of_planning_again():
+    """Compiled again on fake copies of its example inputs, a graph traced with symbolic
+    sizes would come back for one size only: under dynamic shapes a limit the optimizer
+    state breaks gives one warning, the graph is not compiled again, and every batch
+    size equals eager's."""
+    eager = _six_layers()
+    params = sum(p.numel() * p.element_size() for p in eager.parameters())
+
+    def make(model):
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        def step(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    batches = [torch.randn(b, 512) for b in (2048, 2000, 2048, 1500, 1000)]
+    run = torch.compile(make(copy.deepcopy(eager)), backend="donate_xla", dynamic=True)
+    for x in batches[:3]:
+        run(x)
+    whole = donate_backend.memory_plan(workspaces=False)
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    model = copy.deepcopy(eager)
+    run = torch.compile(make(model), backend="donate_xla", dynamic=True,
+                        options={"memory_limit": whole.peak_bytes - params})
+    reference = make(eager)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for x in batches:
+            assert float(run(x)) == pytest.approx(float(reference(x)), rel=1e-4)
+    (warned,) = [str(w.message) for w in seen if "memory_limit" in str(w.message)]
+    assert "over memory_limit" in warned
+    assert not any("planned again" in c for c in donate_backend.memory_plan(workspaces=False).choices)
+    for got, expected in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
