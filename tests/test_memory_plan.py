@@ -340,15 +340,9 @@ def _assert_planning_time_reported(records):
     assert "chosen under memory_limit" in line and f"planned in {phases['memory limit plan']:.3f}s" in line
 
 
-def _compiled_training(model, make_optimizer, x, options, steps):
-    """Compile a whole step (forward, backward, ``make_optimizer(model)``'s step) with
-    ``options`` and run it ``steps`` times; returns the losses and the warnings about
-    memory_limit."""
-    import warnings
-
-    torch._dynamo.reset()
-    donate_backend.clear_reports()
-    optimizer = make_optimizer(model)
+def _whole_step(model, optimizer):
+    """A training step on ``model(x).square().mean()``: backward, optimizer step,
+    gradients set to None; returns the loss."""
 
     def step(x):
         loss = model(x).square().mean()
@@ -357,7 +351,18 @@ def _compiled_training(model, make_optimizer, x, options, steps):
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    run = torch.compile(step, backend="donate_xla", options=options)
+    return step
+
+
+def _compiled_training(model, make_optimizer, x, options, steps):
+    """Compile a whole step (forward, backward, ``make_optimizer(model)``'s step) with
+    ``options`` and run it ``steps`` times; returns the losses and the warnings about
+    memory_limit."""
+    import warnings
+
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    run = torch.compile(_whole_step(model, make_optimizer(model)), backend="donate_xla", options=options)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         losses = [float(run(x)) for _ in range(steps)]
@@ -433,6 +438,25 @@ def test_a_limit_no_plan_meets_once_the_optimizer_state_exists_is_refused_before
     assert refused.value.least_bytes == pytest.approx(whole.peak_bytes, rel=0.05)
 
 
+def test_a_limit_the_forward_and_backward_cannot_meet_beside_the_state_is_refused_before_the_third_step():
+    """Adam, batch 2048: a 50 MiB limit is met at compile time (budget 0.7 predicts 46
+    MiB), but beside Adam's 12 MiB of state no activation budget fits the forward and
+    backward. The third call is refused before its step runs, with the state, the least
+    the forward and backward need and the sum the step needs."""
+    from donate_backend.budget import MemoryLimitError
+
+    adam = lambda model: torch.optim.Adam(model.parameters(), lr=1e-3)  # noqa: E731
+    with pytest.raises(MemoryLimitError) as refused:
+        _compiled_training(_six_layers(), adam, torch.randn(2048, 512), {"memory_limit": "50MiB"}, 3)
+    text = str(refused.value)
+    found = re.search(r"state \(12\.0 MiB\), the step needs at least ([\d.]+) MiB \(\d+ bytes\): 12\.0 MiB beyond "
+                      r"the forward and backward, which need at least ([\d.]+) MiB at any activation budget", text)
+    assert found, text
+    assert float(found.group(1)) == pytest.approx(12.0 + float(found.group(2)), abs=0.1)
+    assert "memory_limit is 50.0 MiB (52428800 bytes)" in text and "this one has not run" in text
+    assert refused.value.least_bytes > 50 * 2**20
+
+
 def test_a_limits_prediction_keeps_the_weights_the_backward_reads_resident(monkeypatch):
     """A Linear's backward reads its weight, a forward input the partitioner hands over as
     a saved tensor: the limit's prediction keeps it resident (the backward frees only what
@@ -498,16 +522,7 @@ def test_a_limit_on_a_graph_with_symbolic_sizes_warns_instead_of_planning_again(
     params = sum(p.numel() * p.element_size() for p in eager.parameters())
 
     def make(model):
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-        def step(x):
-            loss = model(x).square().mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return step
+        return _whole_step(model, torch.optim.Adam(model.parameters(), lr=1e-3))
 
     batches = [torch.randn(b, 512) for b in (2048, 2000, 2048, 1500, 1000)]
     run = torch.compile(make(copy.deepcopy(eager)), backend="donate_xla", dynamic=True)
