@@ -8,10 +8,12 @@ peak above the level before the forward): CPU, the profiler's memory events
 (every c10 allocation, kernel workspaces included) and the storage tracker of
 tests/memtrack.py (tensors made by ATen ops only); CUDA,
 ``torch.cuda.max_memory_allocated``. Prints the error per model and the
-largest.
+largest. With ``--meta``, each model is also traced on the meta device (a copy
+of its weights' shapes, no data) and that plan's growth is printed against the
+same measurement: the plan a user makes before a device is there.
 
 Usage: python bench/plan_accuracy.py [--device cpu|cuda] [--executors aten,inductor]
-       [--models bench1,bench2,bench3,gpt2,...] [--json out.json]
+       [--models bench1,bench2,bench3,gpt2,...] [--meta] [--json out.json]
 """
 from __future__ import annotations
 
@@ -83,7 +85,25 @@ def models() -> dict:
     return out
 
 
-def measure(entry, executor: str, device: str) -> dict:
+def planned_on_meta(entry, executor: str) -> int:
+    """The growth the plan predicts for ``entry``'s step traced on the meta device."""
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    model = entry.build("meta")
+    with config.patch(native_compiler=executor):
+        run = torch.compile(model, backend="donate_xla")
+        entry.step(model, run, "meta")()
+        model.zero_grad(set_to_none=True)
+        return donate_backend.memory_plan().growth_bytes
+
+
+def measure(entry, executor: str, device: str, meta: bool = False) -> dict:
+    meta_growth = None
+    if meta:
+        try:
+            meta_growth = planned_on_meta(entry, executor)
+        except Exception as error:  # torch cannot trace every model on meta: reported, not fatal
+            meta_growth = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     torch._dynamo.reset()
     donate_backend.clear_reports()
     model = entry.build(device)
@@ -105,7 +125,18 @@ def measure(entry, executor: str, device: str) -> dict:
             with tracker:
                 step()
             result["tensors"] = tracker.peak_bytes
+    if meta:
+        result["planned_on_meta"] = meta_growth
     return result
+
+
+def _meta_text(r: dict, asked: bool) -> str:
+    if not asked:
+        return ""
+    on_meta = r.get("planned_on_meta")
+    if not isinstance(on_meta, int):
+        return f"; on meta: failed ({on_meta})"
+    return f"; planned on meta {on_meta / MIB:8.3f} MiB ({on_meta / r['measured'] - 1:+.1%})" if r["measured"] else ""
 
 
 def main() -> int:
@@ -113,6 +144,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     parser.add_argument("--executors", default="aten,inductor")
     parser.add_argument("--models", default=None)
+    parser.add_argument("--meta", action="store_true", help="also plan each step traced on the meta device")
     parser.add_argument("--json", default=None)
     options = parser.parse_args()
     table = models()
@@ -127,14 +159,15 @@ def main() -> int:
                 print(f"  {name:<9} [{executor}] skipped: not installed")
                 continue
             try:
-                r = measure(entry, executor, options.device)
+                r = measure(entry, executor, options.device, meta=options.meta)
             except Exception as error:  # a model that fails is reported, the rest still run
                 print(f"  {name:<9} [{executor}] failed: {type(error).__name__}: {str(error)[:300]}")
                 continue
             error = r["predicted"] / r["measured"] - 1 if r["measured"] else 0.0
             tensors = f", tensors only {r['tensors'] / MIB:8.3f} ({r['predicted'] / r['tensors'] - 1:+.1%})" if r.get("tensors") else ""
             print(f"  {name:<9} [{executor}] predicted {r['predicted'] / MIB:8.3f} MiB, measured "
-                  f"{r['measured'] / MIB:8.3f} MiB ({error:+.1%}){tensors}, {r['graphs']} graphs", flush=True)
+                  f"{r['measured'] / MIB:8.3f} MiB ({error:+.1%}){tensors}, {r['graphs']} graphs"
+                  + _meta_text(r, options.meta), flush=True)
             rows.append(dict(model=name, executor=executor, error=error, **r))
     if rows:
         worst = max(rows, key=lambda r: abs(r["error"]))

@@ -24,6 +24,7 @@ import dataclasses
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import report
+from .analysis.aliasing import storage_address
 from .errors import DonateXlaError
 from .native import memory as native_memory
 from .native import workspace
@@ -158,11 +159,10 @@ def _optimizer_state_bytes(optimizer, seen: set) -> int:
     for state in getattr(optimizer, "state", {}).values():
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.layout == torch.strided:
-                storage = value.untyped_storage()
-                key = (str(value.device), storage.data_ptr())
-                if key not in seen:
+                key = storage_address(value)
+                if key is not None and key not in seen:
                     seen.add(key)
-                    total += storage.nbytes()
+                    total += native_memory.nbytes(value)
     return total
 
 
@@ -288,6 +288,13 @@ def memory_plan(
                  if r.path == path and r.memory is None and r.device != "cpu" and not r.backward_segments]
     notes = [f"{name}: no prediction (its replay failed; DONATE_XLA_DEBUG=1 logs why), not counted"
              for name in unplanned]
+    if any(r.device == "meta" for r in native):
+        notes.append(
+            "planned on the meta device: sizes counted in CUDA's 512-byte blocks; no kernel ran, so "
+            "kernel workspaces (convolutions, fused attention, cuBLAS) and memory an allocator caches "
+            "are not counted, and ops take their meta form (scaled_dot_product_attention its math "
+            "form, which saves the attention weights CUDA's fused kernels do not)"
+        )
     if path == "xla":
         notes.append(
             "XLA: each executable's temporaries come from a model of XLA's fusion over the graph, "

@@ -62,7 +62,7 @@ if [ "${GPU_CHECK_BENCH_S:-150}" != 0 ]; then  # 0: skip the benchmark
     cat "$out/backward-memory.log"
 fi
 if [ "${GPU_CHECK_PLAN_S:-120}" != 0 ]; then
-    timeout "${GPU_CHECK_PLAN_S:-120}" python3 bench/plan_accuracy.py --device cuda --json "$out/plan-accuracy.json" \
+    timeout "${GPU_CHECK_PLAN_S:-120}" python3 bench/plan_accuracy.py --device cuda --meta --json "$out/plan-accuracy.json" \
         >"$out/plan-accuracy.log" 2>&1 || { echo "plan_accuracy: exit $?"; status=1; }
     grep -E "predicted|largest|failed|skipped" "$out/plan-accuracy.log"
 fi

@@ -35,6 +35,19 @@ def storage_key(t: torch.Tensor) -> Optional[StorageWeakRef]:
         return None
 
 
+def storage_address(t: torch.Tensor) -> Optional[tuple]:
+    """``(device, address)`` of the storage behind ``t``: one storage while it lives, told
+    apart across calls without holding it. A meta storage has no address (every one
+    is at 0), so it is told apart by its storage object's identity instead."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    if t.device.type == "meta":
+        return ("meta", StorageWeakRef(storage).cdata)
+    return (str(t.device), storage.data_ptr())
+
+
 def shared_storage_partner(example_inputs: Sequence) -> dict[int, str]:
     """Inputs whose storage (or identity) is shared with another input."""
     reasons: dict[int, str] = {}

@@ -22,12 +22,14 @@ from typing import Optional, Tuple
 import torch
 
 from .. import config, ddp
+from ..analysis.aliasing import storage_address
 from ..analysis.mutation import graph_attributes
+from . import memory
 
 
 @dataclasses.dataclass(frozen=True)
 class InputStorage:
-    storage: Tuple[str, int]  # (device, address): one storage, while it lives
+    storage: Tuple[str, int]  # ``storage_address``: one storage, while it lives
     nbytes: int
 
 
@@ -41,11 +43,8 @@ class NativeCapture:
 def _storage_of(value) -> Optional[InputStorage]:
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
         return None
-    try:
-        storage = value.untyped_storage()
-        return InputStorage((str(value.device), storage.data_ptr()), int(storage.nbytes()))
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
+    address = storage_address(value)
+    return None if address is None else InputStorage(address, memory.nbytes(value))
 
 
 def input_storages(args, captured: Optional[NativeCapture]) -> frozenset:

@@ -83,6 +83,11 @@ class GraphMemory:
         )
 
 
+# Devices whose tensors are counted in CUDA's allocator blocks: CUDA, and the meta
+# device, on which a step is traced to plan it for a GPU it does not run on.
+_BLOCK_DEVICES = ("cuda", "meta")
+
+
 def cuda_block_bytes(size: int) -> int:
     """What CUDA's caching allocator counts for a request of ``size`` bytes: blocks
     are multiples of 512 bytes (``max_memory_allocated`` counts blocks)."""
@@ -101,15 +106,12 @@ def nbytes(value: torch.Tensor) -> int:
     size = compat.size_hint(size)  # never int(): that would guard on a symbolic size
     if size is None:  # a data-dependent size
         return 0
-    return cuda_block_bytes(size) if value.device.type == "cuda" else size
+    return cuda_block_bytes(size) if value.device.type in _BLOCK_DEVICES else size
 
 
 def _tensors(node: torch.fx.Node) -> List[torch.Tensor]:
     val = node.meta.get("val") if hasattr(node, "meta") else None
-    return [
-        v for v in tree_leaves(val)
-        if isinstance(v, torch.Tensor) and v.layout == torch.strided and v.device.type != "meta"
-    ]
+    return [v for v in tree_leaves(val) if isinstance(v, torch.Tensor) and v.layout == torch.strided]
 
 
 def _keys(node: torch.fx.Node) -> List[Tuple[object, int]]:
@@ -318,8 +320,7 @@ def storage_refs(values: Sequence) -> tuple:
             key = storage_key(value)
             if key is not None and key not in seen:
                 seen.add(key)
-                size = value.untyped_storage().nbytes()
-                refs.append((key, cuda_block_bytes(size) if value.device.type == "cuda" else size))
+                refs.append((key, nbytes(value)))
     return tuple(refs)
 
 
