@@ -279,6 +279,56 @@ def test_an_output_read_by_a_later_graph_is_not_counted_as_held_between_steps(xl
     assert any("graph breaks" in note for note in plan.notes), plan.notes
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_forward_output_the_caller_dropped_is_not_held_through_the_backward(xla_device, keep):
+    """A graph break between the model and a loss whose backward does not read the
+    model's output (``out.mean()``): a caller that drops ``out`` once the loss is taken
+    (as an HF model's output object drops its logits) frees it before the backward, and
+    the plan lets it go there; one that keeps it in a local holds it through the
+    backward."""
+    model = _layers(depth=2).to(xla_device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(2048, 256).to(xla_device)
+
+    def loss_of(out):
+        torch._dynamo.graph_break()
+        return out.mean()
+
+    def update(loss):
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def keeping(x):  # returns the output: alive through the backward
+        out = model(x)
+        loss = loss_of(out)
+        update(loss)
+        return loss.detach(), out.detach()
+
+    def dropping(x):  # the output lives on the stack until loss_of returns
+        loss = loss_of(model(x))
+        update(loss)
+        return loss.detach()
+
+    step = keeping if keep else dropping
+
+    step = torch.compile(step, backend="donate_xla")
+    for _ in range(2):
+        step(x)
+        torch_xla.sync()
+    plan = donate_backend.memory_plan()
+    print(plan.as_text())
+    model_graph = min(r.graph_id for r in donate_backend.reports() if r.kind == "forward")
+    graph = {g.name: g for g in plan.graphs}
+    held = _nbytes([torch.empty(2048, 256)])  # out
+    assert graph[f"graph {model_graph} forward"].end_bytes - graph[f"graph {model_graph} forward"].start_bytes >= held
+    for record in [r for r in donate_backend.reports() if r.kind == "backward"]:
+        assert record.outputs_held[model_graph] == (held if keep else 0)
+    # the loss's backward runs first: what the caller dropped is let go before it
+    loss_forward, loss_backward = graph[f"graph {model_graph + 1} forward"], graph[f"graph {model_graph + 1} backward"]
+    assert loss_backward.start_bytes == loss_forward.end_bytes - (0 if keep else held) + 4  # + the loss's tangent
+
+
 def test_a_limit_the_optimizer_step_alone_breaks_is_refused_before_the_third_step(xla_device):
     """SGD momentum on a small batch: the step's peak is the optimizer's graph (every
     gradient, parameter and momentum buffer live), which no recomputation lowers. A

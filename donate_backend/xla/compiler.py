@@ -350,7 +350,8 @@ def compile_graph(gm, example_inputs, ctx):
             )
         )
         on_call = functools.partial(
-            xla_memory.note_call, record, [_role(roles, len(examples), i, ctx.kind) for i in range(len(examples))]
+            xla_memory.note_call, record, [_role(roles, len(examples), i, ctx.kind) for i in range(len(examples))],
+            forward_returns=_num_user_outputs(ctx),
         )
         if stitch:
             return StitchedExecutable(

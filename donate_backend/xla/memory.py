@@ -265,7 +265,8 @@ def predict_or_none(gm: torch.fx.GraphModule, name: str, kind: str, **kwargs) ->
         return None
 
 
-def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = ()) -> None:
+def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = (),
+              forward_returns: Optional[int] = None) -> None:
     """After each call, that the graph ran (``report.mark_call``). After its first call:
     when it ran among all graphs (the plan's step order) and, for a forward or an
     optimizer step, the tensors it reads that its caller holds between steps
@@ -274,7 +275,14 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
     (a model's logits, read by a loss compiled as a graph of its own) reads a value of
     the step, not a tensor held between steps. XLA tensors have no storage address: the
     identity is the tensor object's, which the parameters and optimizer state keep
-    across graphs."""
+    across graphs.
+
+    A forward also keeps weak references to the storages of the outputs it gives its
+    caller (``forward_returns`` of them; the rest are saved for its backward), and a
+    backward notes how many bytes of each forward's outputs are still alive when it
+    first runs: the caller may have dropped them (an HF model's output object, once its
+    loss is taken, drops the logits), and the plan then lets them go before the backward
+    (``GraphRecord.outputs_held``, as on the native path)."""
     from .. import report
 
     if record.first_call is not None:
@@ -282,6 +290,11 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
         return
     report.mark_first_call(record)
     if record.kind == "backward":
+        record.outputs_held = {
+            r.graph_id: native_memory.held_bytes(r.output_storages)
+            for r in report.reports()
+            if r.kind == "forward" and r.path == "xla" and r.output_storages is not None
+        }
         return
     held = []
     for role, value in zip(roles, args):
@@ -292,6 +305,10 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
     record.returned = frozenset(  # an input returned as it is stays the caller's
         ("xla", id(v)) for v in outputs if isinstance(v, torch.Tensor) and id(v) not in inputs
     )
+    if record.kind == "forward" and forward_returns is not None:
+        record.output_storages = native_memory.storage_refs(
+            [v for v in list(outputs)[:forward_returns] if id(v) not in inputs]
+        )
 
 
 SEGMENTS_META = "donate_xla_backward_segments"  # bw_module.meta: the split the limit chose
