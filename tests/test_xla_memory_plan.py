@@ -279,6 +279,18 @@ def test_an_output_read_by_a_later_graph_is_not_counted_as_held_between_steps(xl
     assert any("graph breaks" in note for note in plan.notes), plan.notes
 
 
+def test_an_xla_tensor_has_no_storage_address_and_asking_never_raises(xla_device):
+    """XLA storages have no data pointer (torch raises on asking): a graph that returns
+    an XLA tensor to the native path's bookkeeping gets None, not an error."""
+    from donate_backend.analysis.aliasing import storage_address
+
+    value = torch.randn(6, device=xla_device)
+    with pytest.raises(RuntimeError):
+        value.untyped_storage().data_ptr()
+    assert storage_address(value) is None
+    assert storage_address(value * 2) is None
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_forward_output_the_caller_dropped_is_not_held_through_the_backward(xla_device, keep):
     """A graph break between the model and a loss whose backward does not read the

@@ -41,11 +41,11 @@ def storage_address(t: torch.Tensor) -> Optional[tuple]:
     is at 0), so it is told apart by its storage object's identity instead."""
     try:
         storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
+        if t.device.type == "meta":
+            return ("meta", StorageWeakRef(storage).cdata)
+        return (str(t.device), storage.data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):  # an invalid storage (inference mode)
         return None
-    if t.device.type == "meta":
-        return ("meta", StorageWeakRef(storage).cdata)
-    return (str(t.device), storage.data_ptr())
 
 
 def shared_storage_partner(example_inputs: Sequence) -> dict[int, str]:
