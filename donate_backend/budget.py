@@ -97,7 +97,7 @@ def _fit(min_cut, settings, predict_step, joint, *args, **kwargs):
     largest = ", ".join(f"{c} {_mib(b)}" for c, b in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if b > 0)
     raise MemoryLimitError(
         f"donate_xla: this graph's training step needs at least {_mib(least)} ({least} bytes, the "
-        f"least of the activation budgets tried: {', '.join(f'{s:g}' for s, _, _ in tried)}; "
+        f"least of the activation budgets tried: {', '.join(f'{s:g}: {_mib(p)}' for s, p, _ in tried)}; "
         f"at {share:g}), but memory_limit is {_mib(limit)} ({limit} bytes); largest at the peak: "
         f"{largest}. Nothing has run. Raise the limit, or lower what the step holds (a smaller "
         "batch, fewer parameters on this device).",

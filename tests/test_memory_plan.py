@@ -522,6 +522,9 @@ def test_an_impossible_memory_limit_is_refused_before_anything_runs():
     text = str(info.value)
     assert "MemoryLimitError" in text and "memory_limit is 5.0 MiB (5242880 bytes)" in text
     assert "largest at the peak" in text and "Nothing has run" in text
+    # each budget tried, with its predicted peak
+    assert re.search(r"tried: 1: [\d.]+ MiB, 0\.7: [\d.]+ MiB, 0\.5: [\d.]+ MiB, 0\.3: [\d.]+ MiB, "
+                     r"0\.1: [\d.]+ MiB, 0: [\d.]+ MiB; at [\d.]+\)", text), text
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert calls == []  # dynamo traced the hook; the compiled code never ran
