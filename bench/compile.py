@@ -15,6 +15,12 @@ donate_xla the bytes sent inside its lowering are also measured exactly (the
 graph records), which is the "while compiling" figure. Also printed: where the compile
 time goes (``donate_backend.compile_phases()``: dynamo, aot_autograd, and each phase of
 the graph compilers; for openxla only dynamo's and aot_autograd's timers apply).
+*Time to the first step* is the first call's wall clock (it compiles the forward, the
+backward and the optimizer's first step, and runs them). On the GPT, where JAX has a twin
+(``bench/jax_gpt.py``: the same weights, batch and AdamW step as one whole-step ``jax.jit``
+with ``donate_argnums``), a JAX row runs in the JAX environment when there is one
+(``bench/jax_common.py``) and gives its first call's wall clock; the ratios to JAX are per
+repeat.
 Run: `make bench` or `python bench/compile.py [--steps N]`.
 """
 from __future__ import annotations
@@ -29,7 +35,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 WARM_CALLS = 3
 
 
+def jax_row(model_name: str, steps: int) -> dict:
+    from jax_common import jax_worker
+
+    result = jax_worker(model_name, steps)
+    return dict(model=model_name, backend="jax", first_step_s=result["first_step_s"], step_s=result["step_s"],
+                loss=result["first_loss"], jax=result["jax"])
+
+
 def worker(model_name: str, backend: str, steps: int) -> dict:
+    if backend == "jax":
+        return jax_row(model_name, steps)
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -69,6 +85,7 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
         backend=backend,
         compile_s=sum(t for t, _, _ in warm) - WARM_CALLS * step_s,
         warm_calls_s=[t for t, _, _ in warm],
+        first_step_s=warm[0][0],
         steady_s=[t for t, _, _ in steady],
         warm_bytes=sum(b for _, b, _ in warm),
         steady_bytes=step_b,
@@ -89,15 +106,33 @@ def main() -> None:
         print(json.dumps(worker(*args.worker, args.steps)))
         return
 
+    from jax_common import JAX_MODELS, jax_python
     from xla_common import median, run_repeated, summarize, write_results
 
-    rows, results = [], []
+    rows, results, more_versions = [], [], {}
+    if jax_python() is None:
+        print("JAX row skipped: no JAX environment (`make bench` creates .venv-jax from "
+              "requirements-jax.txt; DONATE_XLA_JAX_PYTHON names another interpreter)")
     for model_name in args.models.split(","):
+        backends = ("openxla", "donate_xla")
+        if model_name in JAX_MODELS and jax_python() is not None:
+            backends += ("jax",)
         runs = run_repeated(
-            __file__, model_name, ("openxla", "donate_xla"), args.repeats, "--steps", str(args.steps),
+            __file__, model_name, backends, args.repeats, "--steps", str(args.steps),
             warm_up=True, alternate=True,
         )
-        med = {b: {k: summarize(runs[b], k)[0] for k in ("warm_bytes", "steady_bytes", "record_bytes", "compile_s", "step_s", "loss")} for b in runs}
+        if "jax" in runs:
+            more_versions["jax"] = runs["jax"][0]["jax"]
+        print(f"\n== {model_name}: time to the first step (its first call), median s [min-max] over "
+              f"{args.repeats} repeats")
+        for b in backends:
+            first = [r["first_step_s"] for r in runs[b]]
+            print(f"  {b:<12}{median(first):8.2f} [{min(first):.2f}-{max(first):.2f}]")
+        for b in ("openxla", "donate_xla") if "jax" in runs else ():
+            ratios = sorted(r["first_step_s"] / j["first_step_s"] for r, j in zip(runs[b], runs["jax"]))
+            print(f"  {b} / jax per repeat: {' '.join(f'{x:.2f}' for x in ratios)}")
+        med = {b: {k: summarize(runs[b], k)[0] for k in ("warm_bytes", "steady_bytes", "record_bytes", "compile_s", "step_s", "loss")}
+               for b in ("openxla", "donate_xla")}
         rows.append(med)
         results.append(dict(model=model_name, runs=runs))
         ours, ref = med["donate_xla"], med["openxla"]
@@ -144,7 +179,7 @@ def main() -> None:
                 values = [r["phases"][name] for r in runs[b] if r["phases"].get(name) is not None]
                 print(f"    {name:<34}{median(values):8.3f}  ({min(values):.3f}-{max(values):.3f})")
     write_results("compile", results, repeats=args.repeats, steps=args.steps, path=args.json,
-                  warm_calls=WARM_CALLS, warm_up_runs=1)
+                  warm_calls=WARM_CALLS, warm_up_runs=1, more_versions=more_versions or None)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from jax_common import jax_python, jax_worker  # noqa: E402
+
 BACKENDS = (
     "donate_xla", "donate_xla_stitch", "donate_xla_budget", "donate_xla_budget_0.45", "donate_xla_stitch_budget_0.45",
     "donate_xla_budget_sched", "donate_xla_segments", "donate_xla_segments_budget_0.8", "donate_xla_segments_budget_0.7",
@@ -72,7 +74,6 @@ LIMIT_ROWS = {"donate_xla_limit_0.7": 0.7, "donate_xla_limit_0.8": 0.8}
 # each block under jax.checkpoint
 JAX_ROWS = {"jax": [], "jax_remat": ["--remat"]}
 JAX_MODEL = "gpt6x512_adamw"
-HERE = os.path.dirname(os.path.abspath(__file__))
 MEMORY_SCHEDULER = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
 # variants: the switches they run under (set before the XLA client starts)
 VARIANTS = {
@@ -113,53 +114,9 @@ def saved_activations_of_compiled_backwards() -> int:
     )
 
 
-def jax_python():
-    """The interpreter of the JAX environment (``make bench`` creates ``.venv-jax`` from
-    ``requirements-jax.txt``; ``DONATE_XLA_JAX_PYTHON`` names another), or None."""
-    path = os.environ.get("DONATE_XLA_JAX_PYTHON") or os.path.join(HERE, "..", ".venv-jax", "bin", "python")
-    return path if os.path.exists(path) else None
-
-
-def jax_worker(model_name: str, backend: str, steps: int) -> dict:
-    """The JAX row: the torch model's initial weights and batch (as ``build`` makes them) go to
-    ``bench/jax_gpt.py`` in the JAX environment, which must give the same parameter count and,
-    on the CPU, the same first loss as torch within 1e-4."""
-    import subprocess
-    import tempfile
-
-    import numpy as np
-    import torch
-
-    from xla_common import MODELS, build
-
-    spec = MODELS[model_name]
-    model, _, _, (x, y) = build(model_name, torch.device("cpu"))  # the torch rows' weights and batch
-    with torch.no_grad():
-        torch_loss = float(spec["loss"](model(x), y))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "weights.npz")
-        np.savez(path, x=x.numpy(), y=y.numpy(),
-                 **{f"param:{n}": p.detach().numpy() for n, p in model.named_parameters()})
-        command = [jax_python(), os.path.join(HERE, "jax_gpt.py"), path, "--steps", str(steps), *JAX_ROWS[backend]]
-        out = subprocess.run(command, capture_output=True, text=True, timeout=1200,
-                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{out.stderr[-3000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    torch_params = sum(p.numel() for p in model.parameters())
-    if result["params"] != torch_params or abs(result["first_loss"] - torch_loss) > 1e-4:
-        raise RuntimeError(
-            f"the JAX GPT does not match the torch one: {result['params']} parameters against "
-            f"{torch_params}, first loss {result['first_loss']:.6f} against {torch_loss:.6f}"
-        )
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return dict(result, model=model_name, backend=backend, torch_first_loss=torch_loss,
-                grad_bytes=grad_bytes, saved_bytes=None)
-
-
 def worker(model_name: str, backend: str, steps: int) -> dict:
     if backend in JAX_ROWS:
-        return jax_worker(model_name, backend, steps)
+        return dict(jax_worker(model_name, steps, JAX_ROWS[backend]), backend=backend, saved_bytes=None)
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm

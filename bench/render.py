@@ -378,9 +378,12 @@ def _compile_table(results):
             ["bytes sent while lowering (donate_xla)"], ["compile s, openxla / donate_xla (medians)"],
             ["compile ratio per repeat"], ["first three calls, ratio per repeat"],
             ["first three calls s, openxla / donate_xla"], ["step s, openxla / donate_xla (medians)"],
-            ["step ratio per repeat"], ["loss after warm-up, openxla / donate_xla"]]
+            ["step ratio per repeat"], ["loss after warm-up, openxla / donate_xla"],
+            ["time to the first step s, openxla / donate_xla / JAX"], ["first step, donate_xla ÷ JAX per repeat"]]
     for m in models:
-        o, d = by[m]["openxla"], by[m]["donate_xla"]
+        o, d, j = by[m]["openxla"], by[m]["donate_xla"], by[m].get("jax")
+        first_step = lambda runs: spread([r.get("first_step_s", r.get("warm_calls_s", [0])[0]) for r in runs],  # noqa: E731
+                                               lambda x: f"{x:.2f}")
         pair = lambda key, fmt: f"{fmt(med(r[key] for r in o))} / {fmt(med(r[key] for r in d))}"  # noqa: E731
         per_repeat = lambda f: " ".join(f"{x:.2f}" for x in sorted(f(a, b) for a, b in zip(d, o)))  # noqa: E731
         first = lambda runs: spread_range([sum(r["warm_calls_s"]) for r in runs], lambda x: f"{x:.2f}")  # noqa: E731
@@ -389,7 +392,10 @@ def _compile_table(results):
                  per_repeat(lambda a, b: a["compile_s"] / b["compile_s"]),
                  per_repeat(lambda a, b: sum(a["warm_calls_s"]) / sum(b["warm_calls_s"])),
                  f"{first(o)} / {first(d)}", pair("step_s", seconds),
-                 per_repeat(lambda a, b: a["step_s"] / b["step_s"]), pair("loss", lambda x: f"{x:.4f}")]
+                 per_repeat(lambda a, b: a["step_s"] / b["step_s"]), pair("loss", lambda x: f"{x:.4f}"),
+                 " / ".join([first_step(o), first_step(d)] + ([first_step(j)] if j else [])),
+                 " ".join(f"{x:.2f}" for x in sorted(a["first_step_s"] / b["first_step_s"] for a, b in zip(d, j)))
+                 if j else ""]
         for row, cell in zip(rows, cells):
             row.append(cell)
     data = results("compile")
