@@ -494,11 +494,19 @@ def _donation_tables(results):
             label = DONATION_ROWS.get(b, b)
             if b == "donate_xla" and f["segments"]:
                 label += f" ({f['segments']:.0f} backward segments, chosen by default)"
+            limit = entry["runs"]["live"][b][0].get("limit")
+            if limit is not None:
+                label += f" ({mib(limit)} MiB)"
             rows.append([label, spread(f["live"], unit=" MiB"), ratio(med(f["live"]), med(ref["live"])),
                          ratio(med(f["live"]), floor), spread(f["glibc"], unit=" MiB"),
                          f"{f['own']:.0f}/{f['state']}", spread(f["step"], seconds),
                          ratio(med(f["step"]), med(ref["step"])),
                          ratio(med(f["step"]), med(lazy["step"])) if lazy else ""])
+        for b, run in entry.get("refused", {}).items():  # a limit no plan meets: no step ran
+            need = re.search(r"needs at least ([\d.]+ [MG]iB)", run["refused"])
+            rows.append([f"{DONATION_ROWS.get(b, b)} ({mib(run['limit'])} MiB)",
+                         f"refused before a step ran: the step needs at least {need.group(1) if need else '?'}"]
+                        + [""] * 7)
         parts.append(f"**{XLA_MODELS[model]}** (floor {mib(floor)} MiB: gradients {mib(grad_bytes)}, "
                      f"saved activations {mib(saved_bytes)})")
         parts.append(table(["row", "live growth", "× openxla", "× floor", "glibc growth", "own", "step s",
