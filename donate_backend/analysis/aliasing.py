@@ -44,7 +44,7 @@ def storage_address(t: torch.Tensor) -> Optional[tuple]:
         if t.device.type == "meta":
             return ("meta", StorageWeakRef(storage).cdata)
         return (str(t.device), storage.data_ptr())
-    except (RuntimeError, NotImplementedError, TypeError):  # an invalid storage (inference mode)
+    except (RuntimeError, NotImplementedError, TypeError):  # no data pointer (an XLA tensor's storage)
         return None
 
 

@@ -134,11 +134,7 @@ class CompiledGraph:
             self.record.tangents_passed_bytes = memory.passed_tangent_bytes(
                 args, predicted.tangent_indices, [r.output_storages for r in earlier]
             )
-            self.record.outputs_held = {
-                r.graph_id: memory.held_bytes(r.output_storages)
-                for r in report.reports()
-                if r.kind == "forward" and r.output_storages is not None
-            }
+            self.record.outputs_held = memory.outputs_held(report.reports())
         # the run empties ``args`` (boxed calling convention, so that a backward can free
         # what it was given): note the inputs' storages first, holding no tensor
         inputs = input_storages(args, self.ctx.captured) if self.ctx.kind != "backward" else None

@@ -337,6 +337,16 @@ def held_bytes(refs: tuple) -> int:
     return sum(size for ref, size in refs if not ref.expired())
 
 
+def outputs_held(records) -> dict:
+    """Graph id -> bytes of that forward's outputs still alive, for each forward record in
+    ``records`` that noted its outputs' storages (``GraphRecord.output_storages``)."""
+    return {
+        r.graph_id: held_bytes(r.output_storages)
+        for r in records
+        if r.kind == "forward" and r.output_storages is not None
+    }
+
+
 def _passed_outputs(graph: torch.fx.Graph, kind: str, input_roles: Sequence[str]) -> List[int]:
     if kind != "backward" or not input_roles:
         return []

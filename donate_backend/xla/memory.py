@@ -290,11 +290,7 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
         return
     report.mark_first_call(record)
     if record.kind == "backward":
-        record.outputs_held = {
-            r.graph_id: native_memory.held_bytes(r.output_storages)
-            for r in report.reports()
-            if r.kind == "forward" and r.path == "xla" and r.output_storages is not None
-        }
+        record.outputs_held = native_memory.outputs_held(r for r in report.reports() if r.path == "xla")
         return
     held = []
     for role, value in zip(roles, args):
