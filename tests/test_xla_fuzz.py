@@ -228,6 +228,50 @@ def test_plain_torch_xla_donates_the_buffer_a_data_copy_shares():
         u.cpu()
 
 
+_SWAP = "t = S.v0\nif t is not None:\n    K[4] = backup_of(K, 4, t)\n    t.copy_(torch.full_like(t, 0.5))\n    t.copy_(K[4])"
+_DECAY = "t = S.v0\nif t is not None:\n    _ = float(t.norm())\n    with torch.no_grad():\n        t.mul_(0.99)"
+
+
+@pytest.mark.parametrize("between, excused", [
+    ({0: _SWAP, 1: _DECAY + "\n    sync()"}, True),  # read by the snapshot, decayed, synced
+    ({0: _SWAP, 1: _DECAY}, False),  # no sync after the decay
+    ({0: _SWAP + "\n    t.mul_(0.99)\n    sync()"}, False),  # no snapshot read before the decay
+    ({0: _SWAP, 1: _DECAY.replace("S.v0", "S.W0") + "\n    sync()"}, False),  # another tensor decayed
+])
+def test_a_backup_lost_to_torch_xlas_sync_after_its_source_decays_is_upstream(between, excused):
+    """Reading a backup ``K = zeros_like(t).copy_(t)`` fails in plain torch_xla once a
+    host read, an in-place update of ``t`` and a sync have run (the next test); only
+    that sequence is excused."""
+    scenario = xla_fuzz.dataclasses.replace(xla_fuzz.generate(10_000), between=between)
+    error = RuntimeError("reading K[4]: Check failed: handle->HasValue(): Trying to access XLA data for "
+                         "tensor with ID 719 while an async operation is in flight: UNKNOWN_SCALAR[]")
+    assert xla_fuzz._lost_to_a_data_copy(scenario, error) == excused
+    assert not xla_fuzz._lost_to_a_data_copy(scenario, RuntimeError(str(error).replace("K[4]", "K[3]")))
+
+
+@pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
+def test_plain_torch_xla_donates_the_buffer_a_backup_shares_after_a_read():
+    """What the fuzzer excuses, without torch.compile: ``K = zeros_like(t).copy_(t)``,
+    ``t.copy_(K)`` after a swap, both read on the host, then ``t`` updated in place and
+    a sync: the sync donates the buffer ``K`` still holds (docs/xla.md)."""
+    import torch
+    import torch_xla
+
+    device = torch_xla.device()
+    t = torch.randn(6).to(device)
+    t.add_(1.0)
+    torch_xla.sync()  # t holds a buffer made for it
+    k = torch.zeros_like(t)
+    k.copy_(t)
+    t.copy_(torch.full_like(t, 0.5))
+    t.copy_(k)
+    assert torch.equal(t.cpu(), k.cpu())
+    t.mul_(0.99)
+    torch_xla.sync()
+    with pytest.raises(RuntimeError, match="async operation is in flight"):
+        k.cpu()
+
+
 @pytest.mark.parametrize("gone_in_float64", [True, False])
 def test_a_float32_deviation_is_numerics_only_if_float64_removes_it(monkeypatch, gone_in_float64):
     """The float64 rerun excuses a difference only when donate_xla then equals eager CPU."""
