@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from . import budget, config
+from . import choice as step_choice
 from .torch_compat import aot_autograd
 from .analysis import stale_reads
 from .analysis.mutation import dynamo_input_roles
@@ -47,6 +48,9 @@ class GraphContext:
     # a part of the graph compiled on its own (XLA: backward segments, CPU fallback): its
     # index, dotted for a part of a part ("2.1")
     segment: Optional[str] = None
+    # the settings chosen for this dynamo graph's graphs once its step has run
+    # (``choice.StepChoice``); None: its settings are fixed
+    choice: object = dataclasses.field(default=None, compare=False)
 
     @property
     def name(self) -> str:
@@ -101,29 +105,43 @@ def _no_torch_xla_message(graph_id: int, example_inputs: Sequence) -> str:
 
 
 def _kind_compiler(
-    path_compile: Callable, graph_id: int, roles: tuple, kind: str, captured=None, overrides: tuple = ()
+    path_compile: Callable, graph_id: int, roles: tuple, kind: str, captured=None, overrides: tuple = (),
+    choice=None,
 ) -> Callable:
     def compile_one(gm: torch.fx.GraphModule, example_inputs):
         # A backward is compiled when it first runs, outside the backend call: the
         # function's options are entered again here.
-        with config.overriding(overrides):
-            compiled = path_compile(gm, list(example_inputs), GraphContext(graph_id, kind, roles, captured))
-        return CompiledWithOptions(compiled, overrides) if overrides else compiled
+        ctx = GraphContext(graph_id, kind, roles, captured, choice=choice)
+        with config.overriding(overrides + (choice.overrides if choice is not None else ())):
+            compiled = path_compile(gm, list(example_inputs), ctx)
+        if overrides or choice is not None:
+            return CompiledWithOptions(compiled, overrides, choice, graph_id if kind == "forward" else None)
+        return compiled
 
     return compile_one
 
 
 class CompiledWithOptions:
-    """A compiled graph of a function given ``torch.compile(options=...)``: every call
-    runs under those settings (``config.overriding``). Boxed, like the graph it wraps."""
+    """A compiled graph of a function given ``torch.compile(options=...)``, or whose
+    settings are chosen once its step has run (``choice.StepChoice``): every call runs
+    under those settings (``config.overriding``). A forward's ``choice.STEPS + 1``-th
+    call first lets ``choice.decide`` choose. Boxed, like the graph it wraps."""
 
-    def __init__(self, compiled: Callable, overrides: tuple) -> None:
+    def __init__(self, compiled: Callable, overrides: tuple, choice=None, forward_of: Optional[int] = None) -> None:
         self._boxed_call = True  # an instance attribute: dynamo's disable() copies __dict__
         self.compiled = compiled
         self.overrides = overrides
+        self.choice = choice
+        self._forward_of = forward_of  # the graph id, for a forward whose step is chosen
+        self._calls = 0
 
     def __call__(self, args):
-        with config.overriding(self.overrides):
+        choice = self.choice
+        if choice is not None and self._forward_of is not None and not choice.decided:
+            self._calls += 1
+            if self._calls == step_choice.STEPS + 1:
+                step_choice.decide(self._forward_of)
+        with config.overriding(self.overrides + (choice.overrides if choice is not None else ())):
             return self.compiled(args)
 
     def __getattr__(self, name):  # the wrapped graph's attributes (report, source)
@@ -177,6 +195,7 @@ class GraphRequest:
     roles: tuple  # one role per dynamo input (analysis.mutation)
     captured: object  # what the path's ``capture`` hook returned
     overrides: tuple  # torch.compile(options=...) of this function, as config overrides
+    choice: object = None  # choice.StepChoice: settings chosen once the step has run
 
     def with_limit(self, limit: int) -> "GraphRequest":
         """The same graph under another ``memory_limit`` (for this function only)."""
@@ -195,9 +214,13 @@ def donate_xla(gm: torch.fx.GraphModule, example_inputs, **compile_arguments):
         path.prepare_dynamo_graph(gm)
         roles = dynamo_input_roles(gm, example_inputs)
         captured = path.capture(gm, example_inputs)  # here: inside dynamo, before aot_autograd
-        request = GraphRequest(graph_id, gm, path, roles, captured, overrides)
+        settings = config.current()
+        # XLA steps whose levers are not set are chosen once they have run (``choice``)
+        choice = (step_choice.StepChoice() if path.__name__.endswith(".xla") and settings.stitch is None
+                  and settings.memory_limit is None else None)
+        request = GraphRequest(graph_id, gm, path, roles, captured, overrides, choice)
         compiled = compile_request(request, example_inputs)
-        limit = config.current().memory_limit
+        limit = settings.memory_limit
     if limit is None:
         return compiled
     from .limit import LimitedGraph
@@ -210,7 +233,7 @@ def compile_request(request: GraphRequest, example_inputs) -> Callable:
     with config.overriding(request.overrides):
         make = functools.partial(
             _kind_compiler, request.path.compile_graph, request.graph_id, request.roles,
-            captured=request.captured, overrides=request.overrides,
+            captured=request.captured, overrides=request.overrides, choice=request.choice,
         )
         aot_options = dict(
             fw_compiler=make("forward"),

@@ -31,7 +31,9 @@ class Settings:
     bucket_view: bool = True  # DONATE_XLA_BUCKET_VIEW
     debug: bool = False  # DONATE_XLA_DEBUG
     native_compiler: str = "aten"  # DONATE_XLA_NATIVE_COMPILER
-    stitch: bool = False  # DONATE_XLA_STITCH: XLA graphs run back to back as one executable
+    # DONATE_XLA_STITCH: XLA graphs run back to back as one executable; None (unset): each
+    # step is stitched where its plan says that saves enough memory (``donate_backend.choice``)
+    stitch: Optional[bool] = None
     activation_budget: float = 1.0  # DONATE_XLA_ACTIVATION_BUDGET: share of activations saved
     # DONATE_XLA_ORDER_RECOMPUTE: backward recomputation kept in place; None (unset): only
     # under an activation budget below 1.0 (see ``orders_recompute``)

@@ -18,7 +18,7 @@ the forward and backward under what is left), the call raises
 It plans again once. It warns with the excess instead when it cannot compile
 the graph again (symbolic inputs), when the step's forward is several graphs
 each planned under a limit, when the step is still over after planning
-again, and when the step is stitched (XLA: its plan is an upper bound).
+again, and when the step is stitched (XLA: one computation, which it does not plan again).
 """
 from __future__ import annotations
 
@@ -76,24 +76,23 @@ class LimitedGraph:
             return None
         same_path = [r for r in report.reports() if r.path == path]
         if any(r.stitched for r in same_path):
-            # one XLA computation, which frees gradients as the optimizer consumes them:
-            # the plan counts separate executables, an upper bound, so nothing is refused
-            return self._warn(plan, upper_bound=True)
+            # one XLA computation, whose schedule the plan only approximates, and which
+            # no activation budget is planned for: warned, not refused
+            return self._warn(plan, stitched=True)
         limited = [r for r in same_path if r.kind == "forward" and r.planned_peak is not None]
         if self._fakes is None or self.replanned or len(limited) > 1:
             return self._warn(plan)
         return self._plan_again(plan, forward)
 
-    def _warn(self, plan: MemoryPlan, upper_bound: bool = False) -> str:
+    def _warn(self, plan: MemoryPlan, stitched: bool = False) -> str:
         state = plan.breakdown.get(native_memory.OPTIMIZER_STATE, 0)
         message = (
             f"donate_xla: graph {self.request.graph_id}: the whole step is predicted at "
             f"{plan.peak_bytes / MIB:.1f} MiB, {(plan.peak_bytes - self.limit) / MIB:.1f} MiB over "
             f"memory_limit {self.limit / MIB:.1f} MiB"
             + (f" (optimizer state {state / MIB:.1f} MiB)" if state else "")
-            + ("; the step is stitched (one XLA computation, which frees each gradient as the "
-               "optimizer consumes it), and the plan, which counts its graphs as separate "
-               "executables, is an upper bound: it may fit" if upper_bound else
+            + ("; the step is stitched (one XLA computation, whose schedule the plan approximates), "
+               "and a stitched step is not planned again under the limit" if stitched else
                ", after planning it again with that counted" if self.replanned else
                "; the limit was planned for the forward and backward when they compiled")
             + ". For the step to fit, lower memory_limit by the excess; donate_backend.memory_plan() "
@@ -144,8 +143,8 @@ class LimitedGraph:
             stitch = ""
             if forward.path == "xla" and not stitched:
                 stitch = (" On the XLA path a stitched step (options={'stitch': True}) runs the graphs as "
-                          "one XLA computation, which frees each gradient as the optimizer consumes it; "
-                          "the limit does not plan it (docs/donation.md, 'Below the floor').")
+                          "one XLA computation, which frees each gradient as the optimizer consumes it"
+                          + _stitched_estimate(forward.path) + " (docs/donation.md, 'Below the floor').")
             raise MemoryLimitError(
                 f"donate_xla: graph {graph_id}: once the optimizer's first step made its state "
                 f"({state / MIB:.1f} MiB), the step needs at least {need / MIB:.1f} MiB ({need} bytes): "
@@ -167,6 +166,17 @@ class LimitedGraph:
             if r.kind == "forward" and r.budget_choice:
                 r.budget_choice = f"{r.budget_choice}; {note}"
         return note
+
+
+def _stitched_estimate(path: str) -> str:
+    """The step planned as if stitched (``memory_plan(as_stitched=True)``), as text."""
+    try:
+        plan = memory_plan([r for r in report.reports() if r.path == path], workspaces=False, as_stitched=True)
+    except DonateXlaError:
+        return ""
+    if not any("stitched step" in note for note in plan.notes):
+        return ""  # its backward runs in segments: no estimate
+    return f"; this step stitched is planned at {plan.peak_bytes / MIB:.1f} MiB ({plan.peak_bytes} bytes)"
 
 
 def _symbolic(gm) -> bool:

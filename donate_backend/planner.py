@@ -145,11 +145,34 @@ def _last_step(records: List[report.GraphRecord]) -> List[report.GraphRecord]:
     """The graphs of the last step: a graph that last ran before the step's first
     forward belongs to an earlier step only (an optimizer's first step, which makes
     its state, compiles a graph of its own that later steps never run again)."""
+    # A graph built again for other settings (a step stitched once it had run) first ran
+    # after its old build last ran: the old one is no longer part of the step.
+    newest: Dict[tuple, int] = {}
+    for r in records:
+        if r.first_call is not None:
+            key = (r.graph_id, r.kind)
+            newest[key] = max(newest.get(key, r.first_call), r.first_call)
+    records = [r for r in records if r.last_call is None or r.last_call >= newest.get((r.graph_id, r.kind), 0)]
     forwards = [r.last_call for r in records if r.kind == "forward" and r.last_call is not None]
     if not forwards:
         return records
     start = min(forwards)
     return [r for r in records if r.last_call is None or r.last_call >= start]
+
+
+def _gradient_consumers(ordered: Sequence[report.GraphRecord]) -> Dict[int, int]:
+    """Position of each stitched backward whose gradients a stitched optimizer graph
+    consumes in the same XLA computation -> that graph's own peak (one update's
+    temporaries): the first graph after the backward that is neither a forward nor a
+    backward, if it is stitched too."""
+    out = {}
+    for position, r in enumerate(ordered):
+        if r.kind != "backward" or not r.stitched:
+            continue
+        after = next((g for g in ordered[position + 1:] if g.kind not in ("forward", "backward")), None)
+        if after is not None and after.stitched:
+            out[position] = max(0, after.memory.peak_bytes)
+    return out
 
 
 def _optimizer_state_bytes(optimizer, seen: set) -> int:
@@ -168,7 +191,12 @@ def _optimizer_state_bytes(optimizer, seen: set) -> int:
 
 def _choices(records: Iterable[report.GraphRecord]) -> Tuple[str, ...]:
     out = []
+    notes = set()
     for r in records:
+        note = getattr(r.step_choice, "note", None)
+        if note and note not in notes and r.stitched:
+            notes.add(note)
+            out.append(f"{r.name}: {note}")
         if r.segments_choice:
             out.append(f"{r.name}: {r.segments_choice}")
         if r.budget_choice:
@@ -185,7 +213,8 @@ def _choices(records: Iterable[report.GraphRecord]) -> Tuple[str, ...]:
 
 
 def memory_plan(
-    records: Optional[Sequence[report.GraphRecord]] = None, *, optimizer=None, workspaces: bool = True
+    records: Optional[Sequence[report.GraphRecord]] = None, *, optimizer=None, workspaces: bool = True,
+    as_stitched: bool = False,
 ) -> MemoryPlan:
     """The predicted memory of one step of the graphs compiled so far (see the module docstring).
 
@@ -196,6 +225,9 @@ def memory_plan(
     ``workspaces``: measure the kernel workspaces of the ops that may have one
     (``native.workspace``: each distinct op signature runs once on zeros on its
     device); False counts none.
+    ``as_stitched``: XLA path, a step compiled without stitching, planned as if
+    its graphs were stitched (``DONATE_XLA_STITCH``): what that lever would need.
+    Only where the backward is one graph (not in segments); else the plan as it is.
     """
     records = list(report.reports() if records is None else records)
     native = [r for r in records if r.memory is not None]
@@ -242,7 +274,11 @@ def memory_plan(
     planned = []
     outputs_of = {r.graph_id: dict(r.memory.end_parts).get(native_memory.OUTPUTS, 0)
                   for r in native if r.kind == "forward"}
-    for r in _step_order(native):
+    ordered = _step_order(native)
+    if as_stitched and path == "xla" and not any(r.backward_segments for r in records):
+        ordered = [dataclasses.replace(r, stitched=True) for r in ordered]
+    consumers = _gradient_consumers(ordered)
+    for position, r in enumerate(ordered):
         m = r.memory
         if m.kind == "backward" and r.outputs_held is not None:
             # Forward outputs the caller had dropped when this backward first ran
@@ -274,13 +310,26 @@ def memory_plan(
                 if extra and at + extra > own_peak:
                     own_peak = at + extra
                     own_parts = dict(parts, **{native_memory.WORKSPACE: extra})
+        consumed = 0
+        update = consumers.get(position)
+        if update is not None:
+            # A stitched step: the optimizer's update of each parameter runs as soon as
+            # its gradient exists, inside the same XLA computation, so one gradient (and
+            # one update's temporaries) is live at a time instead of all of them.
+            consumed = max(0, dict(own_parts).get(native_memory.GRADIENTS, 0) - m.passed_grad_bytes)
+            one = min(m.largest_output_bytes, consumed)
+            own_peak += one + update - consumed
+            own_parts = dict(own_parts)
+            own_parts[native_memory.GRADIENTS] = own_parts.get(native_memory.GRADIENTS, 0) - consumed + one
+            own_parts[native_memory.TEMPORARIES] = own_parts.get(native_memory.TEMPORARIES, 0) + update
         at_peak = {c: resident[c] + carried[c] + own_parts.get(c, 0) for c in CATEGORIES}
         graph_peak = start + own_peak
         if graph_peak > peak:
             peak, breakdown = graph_peak, at_peak
         for category, nbytes in m.end_parts:
             carried[category] = carried.get(category, 0) + nbytes
-        level = start + m.end_bytes
+        carried[native_memory.GRADIENTS] -= consumed
+        level = start + m.end_bytes - consumed
         passed += m.passed_grad_bytes
         planned.append(PlannedGraph(r.name, start, graph_peak, level, tuple(at_peak.items())))
     # (a backward split into segments is planned through its segments' records)
@@ -300,11 +349,18 @@ def memory_plan(
             "XLA: each executable's temporaries come from a model of XLA's fusion over the graph, "
             "not from XLA's buffer assignment; XLA's scheduler may hold more at once"
         )
-        if any(r.stitched for r in native):
+        if consumers:
             notes.append(
-                "stitched step (DONATE_XLA_STITCH): its graphs run as one XLA computation, which frees "
-                "each gradient as the optimizer consumes it; the plan counts them as separate "
-                "executables, so it is an upper bound"
+                "stitched step: its graphs run as one XLA computation, in which the optimizer's graph "
+                "updates each parameter as soon as its gradient exists; the plan counts one gradient "
+                "and one update at a time, which holds when the step drops its gradients "
+                "(optimizer.zero_grad()) before the torch_xla.sync() that runs it, and counts the "
+                "rest as separate executables (XLA's schedule of the whole step may hold more)"
+            )
+        elif any(r.stitched for r in native):
+            notes.append(
+                "stitched graphs with no stitched optimizer graph after their backward: the plan "
+                "counts them as separate executables"
             )
         forwards = [r for r in native if r.kind == "forward"]
         if len(forwards) > 1:

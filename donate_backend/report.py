@@ -90,6 +90,12 @@ class GraphRecord:
     # XLA path: the lowered graph (``xla.lower.LoweredGraph``); ``lowered.traced`` is
     # the traced stage. Each prints itself with ``as_text()``.
     lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # the settings chosen for its dynamo graph once its step ran (``choice.StepChoice``)
+    step_choice: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # XLA backward: bytes of the gradients it returned still alive after the
+    # torch_xla.sync() that followed (kept past it, a stitched step holds them all);
+    # None until a sync ran after it
+    gradients_at_sync: Optional[int] = None
 
     @property
     def name(self) -> str:

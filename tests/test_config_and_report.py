@@ -10,7 +10,7 @@ def test_defaults_are_on():
     s = config.settings_from_env({})
     assert (s.donation, s.free_saved, s.bucket_view, s.debug) == (True, True, True, False)
     assert s.native_compiler == "aten"
-    assert (s.stitch, s.activation_budget, s.order_recompute) == (False, 1.0, None)
+    assert (s.stitch, s.activation_budget, s.order_recompute) == (None, 1.0, None)
     assert s.backward_segments is None  # automatic (xla.segments.worth_splitting)
 
 

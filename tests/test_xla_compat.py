@@ -561,3 +561,20 @@ def test_view_meta_sequence_function_reads_a_functional_view():
     assert get_sequence is not None
     base = torch._to_functional_tensor(torch.randn(2, 3))
     assert list(get_sequence(base)) == []  # not a view
+
+
+def test_step_closures_run_after_the_sync_and_their_absence_is_reported(xla_device, monkeypatch):
+    """``compat.add_step_closure``: a closure runs at the next sync; without torch_xla's
+    step closures it says so (the gradients are then never seen dropped, and no step
+    is stitched by default)."""
+    import torch_xla.core.xla_model as xm
+
+    ran = []
+    assert compat.add_step_closure(lambda: ran.append(1))
+    assert ran == []
+    torch_xla.sync()
+    assert ran == [1]
+    monkeypatch.delattr(xm, "add_step_closure")
+    assert not compat.add_step_closure(lambda: ran.append(2))
+    torch_xla.sync()
+    assert ran == [1]

@@ -371,11 +371,17 @@ def test_a_limit_the_optimizer_step_alone_breaks_is_refused_before_the_third_ste
                      r"graph's forward and backward\) peaks at", text), text
     assert "this one has not run" in text and "options={'stitch': True}" in text
     assert refused.value.least_bytes == whole.peak_bytes
-    with warnings.catch_warnings(record=True) as seen:  # the lever it names: an upper bound, not refused
+    estimate = int(re.search(r"this step stitched is planned at [\d.]+ MiB \((\d+) bytes\)", text).group(1))
+    with warnings.catch_warnings(record=True) as seen:  # the lever it names fits: one gradient at a time
         warnings.simplefilter("always")
         train({"memory_limit": limit, "stitch": True}, 4)
-    (warned,) = [str(w.message) for w in seen if "memory_limit" in str(w.message)]
-    assert "the step is stitched" in warned and "upper bound" in warned
+    assert not [str(w.message) for w in seen if "memory_limit" in str(w.message)]
+    stitched = donate_backend.memory_plan()
+    print("\n" + stitched.as_text())
+    assert stitched.peak_bytes == estimate <= limit
+    assert any("stitched step" in note for note in stitched.notes)
+    gradients = whole.breakdown["gradients"]
+    assert stitched.breakdown["gradients"] <= gradients / 4  # one layer's of four
 
 
 @pytest.mark.parametrize("segments", [8])

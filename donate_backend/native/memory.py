@@ -74,6 +74,9 @@ class GraphMemory:
     # Ops that may use a kernel workspace: (level right after the op's result is made,
     # bytes by category then, ``workspace.OpCall``); the plan measures the workspaces.
     workspace_points: Tuple[tuple, ...] = ()
+    # The largest single output (XLA: a stitched step's backward holds one gradient at a
+    # time, each consumed by its update as it is made; ``planner``).
+    largest_output_bytes: int = 0
 
     def as_text(self) -> str:
         parts = ", ".join(f"{c} {b / 2**20:.1f}" for c, b in self.peak_parts if b)

@@ -549,6 +549,18 @@ def sync(tensors: Sequence[torch.Tensor], wait: bool) -> None:
     _required("_xla_sync_multi")(list(tensors), devices=[], wait=wait, sync_xla_data=True)
 
 
+def add_step_closure(fn) -> bool:
+    """Run ``fn()`` after the next ``torch_xla.sync()`` (or ``xm.mark_step()``) has
+    launched the step (torch_xla's step closures); False where this torch_xla has none."""
+    import torch_xla.core.xla_model as xm
+
+    add = getattr(xm, "add_step_closure", None)
+    if add is None:
+        return False
+    add(fn)
+    return True
+
+
 def wait_device_ops() -> None:
     """Wait until every execution scheduled on the devices has finished (and so every
     result buffer of one exists)."""

@@ -279,7 +279,7 @@ def compile_graph(gm, example_inputs, ctx):
         examples = concrete_examples(example_inputs, args) if symbolic else example_inputs
         real_inputs = device_args if compat.is_spmd() else None
         choice = choose_donors(gm, examples, ctx, roles, host_inputs)
-        stitch = settings.stitch and real_inputs is None and not symbolic
+        stitch = bool(settings.stitch) and real_inputs is None and not symbolic
         donation = settings.donation and _torch_xla_donates()
         # stitched, the buffers are donated at the sync (StitchedExecutable), not in the HLO
         active = choice.donors if donation and not stitch else []
@@ -347,6 +347,7 @@ def compile_graph(gm, example_inputs, ctx):
                 planned_peak=gm.meta.get(budget.PLANNED_PEAK_META),
                 memory=predicted,
                 phases=phases,
+                step_choice=ctx.choice,
             )
         )
         on_call = functools.partial(

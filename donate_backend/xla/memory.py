@@ -129,6 +129,7 @@ def predict(
 
     out_parts: Dict[str, int] = {}
     returned: Set[torch.fx.Node] = set()
+    largest = 0
     for index, value in enumerate(out_args):
         if not isinstance(value, torch.fx.Node) or value in returned:
             continue
@@ -136,6 +137,7 @@ def predict(
         if _view_base(value).op == "placeholder":  # an input, or a view of one: no buffer of its own
             continue
         size = _bytes(value)
+        largest = max(largest, size)
         out_parts[category(index)] = out_parts.get(category(index), 0) + size
     writeback_bytes = 0
     for value, target in written.items():
@@ -223,6 +225,7 @@ def predict(
         released_input_bytes=released,
         tangent_bytes=tangent_bytes,
         tangent_indices=tuple(i for i, n in enumerate(placeholders) if n.name.startswith("tangents")),
+        largest_output_bytes=largest,
     )
 
 
@@ -285,6 +288,8 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
     (``GraphRecord.outputs_held``, as on the native path)."""
     from .. import report
 
+    if record.kind == "backward":
+        _watch_gradients(record, outputs)
     if record.first_call is not None:
         report.mark_call(record)
         return
@@ -305,6 +310,31 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
         record.output_storages = native_memory.storage_refs(
             [v for v in list(outputs)[:forward_returns] if id(v) not in inputs]
         )
+
+
+_watched: set = set()  # id() of the backward records whose gradients a sync will look at
+
+
+def _watch_gradients(record, outputs: Sequence) -> None:
+    """Note in ``record.gradients_at_sync`` how many bytes of the gradients this call
+    returned are still alive after the next ``torch_xla.sync()`` (a step closure: it
+    runs after the sync's execution). Zero: the program drops its gradients before the
+    sync, so in a stitched step they are temporaries of the computation; more: they
+    are its outputs. Watched until a sync has told, then at every call once more, so
+    a program that starts keeping them is seen."""
+    if id(record) in _watched:
+        return
+    refs = native_memory.storage_refs(outputs)
+    if not refs:
+        return
+    from . import compat
+
+    def after_sync():
+        _watched.discard(id(record))
+        record.gradients_at_sync = native_memory.held_bytes(refs)
+
+    if compat.add_step_closure(after_sync):
+        _watched.add(id(record))
 
 
 SEGMENTS_META = "donate_xla_backward_segments"  # bw_module.meta: the split the limit chose

@@ -1,0 +1,87 @@
+"""Levers chosen per step, by default: the stitched step on the XLA path.
+
+A stitched step (``Settings.stitch``) runs the forward, the backward and the
+optimizer's graph as one XLA computation, in which each parameter's update runs
+as soon as its gradient exists. Where the gradients are most of what a step
+holds (a wide MLP), that is the least memory of any plan; where the saved
+activations are (a transformer), XLA's schedule of the whole step holds more
+than separate executables in segments. So with ``stitch`` unset the choice is
+made per step, from its plan:
+
+- every graph compiled from one dynamo graph shares a ``StepChoice``; its
+  ``overrides`` are entered on each call of those graphs;
+- at the ``STEPS + 1``-th call of a forward, once the step has run with the
+  optimizer state, ``decide`` plans the last step twice (``planner.memory_plan``:
+  as it runs, and ``as_stitched``) and stitches every graph of it when that is
+  predicted to save at least ``MIN_SAVING_BYTES`` and ``MIN_SAVING_SHARE`` of
+  the step's growth. It decides once per step's graphs; the reason is kept in
+  ``StepChoice.note`` and shown in the plan's choices.
+
+A stitched step frees the gradients only if the program drops them before the
+``torch_xla.sync()`` that runs the step (``optimizer.zero_grad()`` before it):
+kept past it, they are outputs of the computation. ``xla.memory.note_call``
+watches that at each sync (``GraphRecord.gradients_at_sync``), and a step is
+only stitched where every backward's gradients were gone at the syncs so far.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from . import report
+
+STEPS = 2  # the first step makes the optimizer state, the second runs with it
+MIN_SAVING_BYTES = 16 * 2**20  # below this a stitched step is not worth its second compile
+MIN_SAVING_SHARE = 0.25  # of the step's growth (peak above its resident bytes)
+MIB = 2**20
+
+
+class StepChoice:
+    """The settings chosen for the graphs of one dynamo graph after it was compiled
+    (``overrides``: ``config`` pairs entered on each call), and why (``note``)."""
+
+    def __init__(self) -> None:
+        self.overrides: tuple = ()
+        self.note: Optional[str] = None
+        self.decided = False
+
+
+def decide(graph_id: int) -> Optional[str]:
+    """At a forward's ``STEPS + 1``-th call: stitch the last step's graphs if its plan
+    says so (module docstring). Returns the note of what was chosen, or None."""
+    from .errors import DonateXlaError
+    from .planner import _last_step, memory_plan
+
+    records = [r for r in report.reports() if r.path == "xla"]
+    step = _last_step([r for r in records if r.memory is not None])
+    own = [r for r in step if r.graph_id == graph_id and r.kind == "forward"]
+    choices = {id(r.step_choice): r.step_choice for r in step}
+    if not own or None in choices.values() or any(c.decided for c in choices.values()):
+        return None  # not a training step, a graph with explicit settings, or decided already
+    for c in choices.values():
+        c.decided = True
+    backwards = [r for r in step if r.kind == "backward"]
+    if not backwards or any(r.stitched for r in step):
+        return None
+    if any(r.gradients_at_sync != 0 for r in backwards):
+        return None  # gradients kept past the sync (or no sync seen): stitching frees none
+    try:
+        separate = memory_plan(records, workspaces=False)
+        stitched = memory_plan(records, workspaces=False, as_stitched=True)
+    except DonateXlaError:
+        return None
+    if not any("stitched step" in note for note in stitched.notes):
+        return None  # backward in segments, or no optimizer graph after it
+    saving = separate.peak_bytes - stitched.peak_bytes
+    if saving < max(MIN_SAVING_BYTES, MIN_SAVING_SHARE * separate.growth_bytes):
+        return None
+    note = (
+        f"chosen automatically after {STEPS} steps: stitched step (forward, backward and optimizer as one "
+        f"XLA computation), planned at {stitched.peak_bytes / MIB:.1f} MiB against "
+        f"{separate.peak_bytes / MIB:.1f} MiB as separate executables; recomputes nothing "
+        "(DONATE_XLA_STITCH=0 keeps them separate)"
+    )
+    for c in choices.values():
+        c.overrides = (("stitch", True),)
+        c.note = note
+    report.log.info("donate_xla: graph %d: %s", graph_id, note)
+    return note
