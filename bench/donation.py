@@ -163,9 +163,10 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
         return loss
 
     try:
-        # compile every graph and create the optimizer state; under a limit, one step more:
-        # the third call plans the step again with the state counted (donate_backend.limit)
-        for _ in range(3 if limit is not None else 2):
+        # compile every graph and create the optimizer state, and one step more: at the
+        # third call the default chooses the step's levers (donate_backend.choice), and a
+        # limit plans the step again with the state counted (donate_backend.limit)
+        for _ in range(3):
             run_step()
     except Exception as error:  # noqa: BLE001 - a limit no plan meets: refused before the step runs
         if limit is None or "memory_limit" not in str(error):

@@ -140,7 +140,8 @@ class CompiledWithOptions:
         if choice is not None and self._forward_of is not None and not choice.decided:
             self._calls += 1
             if self._calls == step_choice.STEPS + 1:
-                step_choice.decide(self._forward_of)
+                with config.overriding(self.overrides):
+                    step_choice.decide(self._forward_of)
         with config.overriding(self.overrides + (choice.overrides if choice is not None else ())):
             return self.compiled(args)
 
@@ -216,8 +217,7 @@ def donate_xla(gm: torch.fx.GraphModule, example_inputs, **compile_arguments):
         captured = path.capture(gm, example_inputs)  # here: inside dynamo, before aot_autograd
         settings = config.current()
         # XLA steps whose levers are not set are chosen once they have run (``choice``)
-        choice = (step_choice.StepChoice() if path.__name__.endswith(".xla") and settings.stitch is None
-                  and settings.memory_limit is None else None)
+        choice = step_choice.StepChoice() if path.__name__.endswith(".xla") and settings.stitch is None else None
         request = GraphRequest(graph_id, gm, path, roles, captured, overrides, choice)
         compiled = compile_request(request, example_inputs)
         limit = settings.memory_limit

@@ -16,6 +16,9 @@ made per step, from its plan:
   predicted to save at least ``MIN_SAVING_BYTES`` and ``MIN_SAVING_SHARE`` of
   the step's growth. It decides once per step's graphs; the reason is kept in
   ``StepChoice.note`` and shown in the plan's choices.
+- under ``memory_limit``, a step over the limit at that call is stitched when the
+  stitched plan fits (``stitch_to_fit``, from ``limit.LimitedGraph``), before any
+  activation budget is tried: it recomputes nothing.
 
 A stitched step frees the gradients only if the program drops them before the
 ``torch_xla.sync()`` that runs the step (``optimizer.zero_grad()`` before it):
@@ -45,9 +48,12 @@ class StepChoice:
         self.decided = False
 
 
-def decide(graph_id: int) -> Optional[str]:
-    """At a forward's ``STEPS + 1``-th call: stitch the last step's graphs if its plan
-    says so (module docstring). Returns the note of what was chosen, or None."""
+def _candidate(graph_id: int):
+    """(the choices of the last step's graphs, its plan as it runs, its plan stitched),
+    or None where stitching is not a candidate: no training step of ``graph_id``, a
+    graph of the step with fixed settings, decided already, stitched already, no
+    stitched estimate (a backward in segments, no optimizer graph after it), or the
+    gradients kept past a sync (or no sync seen yet)."""
     from .errors import DonateXlaError
     from .planner import _last_step, memory_plan
 
@@ -56,32 +62,69 @@ def decide(graph_id: int) -> Optional[str]:
     own = [r for r in step if r.graph_id == graph_id and r.kind == "forward"]
     choices = {id(r.step_choice): r.step_choice for r in step}
     if not own or None in choices.values() or any(c.decided for c in choices.values()):
-        return None  # not a training step, a graph with explicit settings, or decided already
-    for c in choices.values():
-        c.decided = True
+        return None
     backwards = [r for r in step if r.kind == "backward"]
     if not backwards or any(r.stitched for r in step):
         return None
-    if any(r.gradients_at_sync != 0 for r in backwards):
-        return None  # gradients kept past the sync (or no sync seen): stitching frees none
+    seen = [r.gradients_at_sync for r in backwards]
+    if any(g for g in seen) or None in seen:
+        return None  # gradients kept past the sync: stitched, they would all be outputs
     try:
         separate = memory_plan(records, workspaces=False)
         stitched = memory_plan(records, workspaces=False, as_stitched=True)
     except DonateXlaError:
         return None
     if not any("stitched step" in note for note in stitched.notes):
-        return None  # backward in segments, or no optimizer graph after it
+        return None
+    return list(choices.values()), separate, stitched
+
+
+def _stitch(choices: list, note: str, graph_id: int) -> str:
+    for c in choices:
+        c.overrides = (("stitch", True),)
+        c.note = note
+        c.decided = True
+    report.log.info("donate_xla: graph %d: %s", graph_id, note)
+    return note
+
+
+def decide(graph_id: int) -> Optional[str]:
+    """At a forward's ``STEPS + 1``-th call, with no memory limit: stitch the last
+    step's graphs if its plan says so (module docstring). Returns the note of what
+    was chosen, or None."""
+    from . import config
+
+    if config.current().memory_limit is not None:  # the limit chooses (``limit.LimitedGraph``)
+        return None
+    candidate = _candidate(graph_id)
+    if candidate is None:
+        return None
+    choices, separate, stitched = candidate
+    for c in choices:
+        c.decided = True
     saving = separate.peak_bytes - stitched.peak_bytes
     if saving < max(MIN_SAVING_BYTES, MIN_SAVING_SHARE * separate.growth_bytes):
         return None
-    note = (
+    return _stitch(choices, (
         f"chosen automatically after {STEPS} steps: stitched step (forward, backward and optimizer as one "
         f"XLA computation), planned at {stitched.peak_bytes / MIB:.1f} MiB against "
         f"{separate.peak_bytes / MIB:.1f} MiB as separate executables; recomputes nothing "
         "(DONATE_XLA_STITCH=0 keeps them separate)"
-    )
-    for c in choices.values():
-        c.overrides = (("stitch", True),)
-        c.note = note
-    report.log.info("donate_xla: graph %d: %s", graph_id, note)
-    return note
+    ), graph_id)
+
+
+def stitch_to_fit(graph_id: int, limit: int) -> Optional[str]:
+    """Under ``memory_limit``, a step over it: stitch its graphs if the step stitched is
+    planned within the limit (it recomputes nothing, so it comes before any activation
+    budget). Returns the note, or None."""
+    candidate = _candidate(graph_id)
+    if candidate is None:
+        return None
+    choices, separate, stitched = candidate
+    if stitched.peak_bytes > limit:
+        return None
+    return _stitch(choices, (
+        f"chosen to fit memory_limit {limit / MIB:.1f} MiB after {STEPS} steps: stitched step (forward, "
+        f"backward and optimizer as one XLA computation), planned at {stitched.peak_bytes / MIB:.1f} MiB "
+        f"against {separate.peak_bytes / MIB:.1f} MiB as separate executables; recomputes nothing"
+    ), graph_id)

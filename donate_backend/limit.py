@@ -6,7 +6,9 @@ state, so neither the state nor the optimizer's own graph is in that
 prediction. For each graph compiled under a limit the backend returns a
 ``LimitedGraph``: it runs the compiled function, and once the step has run
 ``STEPS`` times it plans the whole step (``planner.memory_plan``, the state
-counted as resident). A plan over the limit is planned again: the same dynamo
+counted as resident). On the XLA path a step over the limit is stitched if
+the stitched step fits (``choice.stitch_to_fit``: it recomputes nothing).
+Else it is planned again: the same dynamo
 graph, on fake copies of its inputs, goes through aot_autograd once more
 under the limit less what the step holds beyond the planned forward and
 backward (at least the state), so the least recomputation that fits with the
@@ -27,6 +29,7 @@ import warnings
 from typing import Callable, Optional
 
 from . import config, report, torch_compat
+from . import choice as step_choice
 from .budget import MemoryLimitError
 from .errors import DonateXlaError
 from .native import memory as native_memory
@@ -79,6 +82,10 @@ class LimitedGraph:
             # one XLA computation, whose schedule the plan only approximates, and which
             # no activation budget is planned for: warned, not refused
             return self._warn(plan, stitched=True)
+        if path == "xla":  # the stitched step, if it fits: it recomputes nothing
+            stitched = step_choice.stitch_to_fit(self.request.graph_id, self.limit)
+            if stitched is not None:
+                return stitched
         limited = [r for r in same_path if r.kind == "forward" and r.planned_peak is not None]
         if self._fakes is None or self.replanned or len(limited) > 1:
             return self._warn(plan)

@@ -92,8 +92,10 @@ class GraphRecord:
     lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
     # the settings chosen for its dynamo graph once its step ran (``choice.StepChoice``)
     step_choice: Any = dataclasses.field(default=None, repr=False, compare=False)
-    # XLA backward: bytes of the gradients it returned still alive after the
-    # torch_xla.sync() that followed (kept past it, a stitched step holds them all);
+    # XLA forward: weak references to the parameters its first call read
+    parameter_refs: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    # XLA backward: bytes of its forward's parameters' gradients (``.grad``) after the
+    # torch_xla.sync() that followed it (kept past it, a stitched step holds them all);
     # None until a sync ran after it
     gradients_at_sync: Optional[int] = None
 

@@ -32,6 +32,7 @@ live bytes.
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Dict, List, Optional, Sequence, Set
 
 import torch
@@ -288,8 +289,8 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
     (``GraphRecord.outputs_held``, as on the native path)."""
     from .. import report
 
-    if record.kind == "backward":
-        _watch_gradients(record, outputs)
+    if record.kind == "backward" and not __import__("os").environ.get("NOWATCH"):
+        _watch_gradients(record)
     if record.first_call is not None:
         report.mark_call(record)
         return
@@ -302,36 +303,72 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
         if isinstance(value, torch.Tensor):
             held.append((role, ("xla", id(value)), xla_bytes(value)))
     record.held_inputs = tuple(held)
+    record.parameter_refs = tuple(
+        weakref.ref(value) for role, value in zip(roles, args)
+        if role == "parameter" and isinstance(value, torch.Tensor)
+    )
     inputs = {id(v) for v in args}
     record.returned = frozenset(  # an input returned as it is stays the caller's
         ("xla", id(v)) for v in outputs if isinstance(v, torch.Tensor) and id(v) not in inputs
     )
     if record.kind == "forward" and forward_returns is not None:
-        record.output_storages = native_memory.storage_refs(
-            [v for v in list(outputs)[:forward_returns] if id(v) not in inputs]
-        )
+        record.output_storages = _tensor_refs([v for v in list(outputs)[:forward_returns] if id(v) not in inputs])
+
+
+class _TensorRef:
+    """A weak reference to an XLA tensor with ``StorageWeakRef``'s ``expired()``, for
+    ``native_memory.held_bytes``. Not a ``StorageWeakRef``: one of those on an XLA
+    tensor keeps the tensor's XLA data alive after the tensor is gone (measured: 64 MiB
+    per reference, never freed), and a lazy tensor's value an output of the next sync.
+    The Python object lives as long as anything holds its tensor (torch preserves it)."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self._ref = weakref.ref(tensor)
+
+    def expired(self) -> bool:
+        return self._ref() is None
+
+
+def _tensor_refs(values: Sequence) -> tuple:
+    """``(_TensorRef, bytes)`` of each distinct tensor in ``values``."""
+    refs, seen = [], set()
+    for value in values:
+        if isinstance(value, torch.Tensor) and id(value) not in seen:
+            seen.add(id(value))
+            refs.append((_TensorRef(value), xla_bytes(value)))
+    return tuple(refs)
 
 
 _watched: set = set()  # id() of the backward records whose gradients a sync will look at
 
 
-def _watch_gradients(record, outputs: Sequence) -> None:
-    """Note in ``record.gradients_at_sync`` how many bytes of the gradients this call
-    returned are still alive after the next ``torch_xla.sync()`` (a step closure: it
-    runs after the sync's execution). Zero: the program drops its gradients before the
-    sync, so in a stitched step they are temporaries of the computation; more: they
-    are its outputs. Watched until a sync has told, then at every call once more, so
-    a program that starts keeping them is seen."""
+def _watch_gradients(record) -> None:
+    """Note in ``record.gradients_at_sync`` the bytes of the ``.grad`` of its forward's
+    parameters after the next ``torch_xla.sync()`` (a step closure, run after the
+    sync launched the step). Zero: the program drops its gradients before the sync,
+    so in a stitched step they are temporaries of the computation; more: they are its
+    outputs. Watched at every sync after a call, so a program that starts keeping
+    them is seen. The closure holds weak references to the parameters only: a
+    reference to a gradient, even a ``StorageWeakRef``, keeps its lazy value alive
+    through the sync, which makes it an output (it broke the stitched step's buffer
+    pairing)."""
     if id(record) in _watched:
         return
-    refs = native_memory.storage_refs(outputs)
-    if not refs:
-        return
+    from .. import report
     from . import compat
+
+    forward = next((r for r in report.reports() if r.graph_id == record.graph_id and r.kind == "forward"
+                    and r.parameter_refs), None)
+    if forward is None:
+        return
+    refs = forward.parameter_refs
 
     def after_sync():
         _watched.discard(id(record))
-        record.gradients_at_sync = native_memory.held_bytes(refs)
+        grads = [getattr(ref(), "grad", None) for ref in refs]
+        record.gradients_at_sync = sum(xla_bytes(g) for g in grads if g is not None)
 
     if compat.add_step_closure(after_sync):
         _watched.add(id(record))

@@ -1,0 +1,114 @@
+"""The stitched step chosen by default (donate_backend/choice.py): where a step's plan
+says stitching saves enough, once two steps ran and a sync saw the gradients dropped;
+values equal eager's before and after the switch; never where the program keeps its
+gradients, sets the switch, never syncs, or where the saving is small."""
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from conftest import XLA_SKIP_REASON
+
+pytest.importorskip("torch_xla", reason=XLA_SKIP_REASON)
+
+import torch_xla  # noqa: E402
+
+import donate_backend  # noqa: E402
+from donate_backend import choice  # noqa: E402
+
+MIB = 2**20
+
+
+def _layers(width: int, depth: int = 6):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def _train(width, steps=6, zero_grad_first=False, sync=True, options=None, batch=8):
+    """``steps`` SGD-momentum steps compiled with donate_xla and run eagerly on the CPU;
+    per step, both losses and the largest parameter difference."""
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    eager = _layers(width)
+    model = copy.deepcopy(eager).to(torch_xla.device())
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, eager)]
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
+
+    def step(m, opt, x):
+        if zero_grad_first:
+            opt.zero_grad()
+        loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+        if not zero_grad_first:
+            opt.zero_grad()
+        return loss
+
+    compiled = torch.compile(lambda x: step(model, opts[0], x), backend="donate_xla", options=options)
+    x_xla = x.to(torch_xla.device())
+    out = []
+    for _ in range(steps):
+        loss = compiled(x_xla)
+        if sync:
+            torch_xla.sync()
+        expected = step(eager, opts[1], x)
+        diff = max(float((p.cpu() - q).abs().max()) for p, q in zip(model.parameters(), eager.parameters()))
+        out.append((float(loss), float(expected), diff))
+    return out
+
+
+def _stitched_graphs():
+    return [r.name for r in donate_backend.reports() if r.path == "xla" and r.stitched]
+
+
+def test_a_gradient_bound_step_is_stitched_after_two_steps_with_eager_values(xla_device):
+    """Six Linear(1024) layers, batch 8: the gradients (24 MiB) are nearly all the step
+    holds. After two steps the third call plans it stitched, runs every graph of the
+    step stitched from then on, and the plan says so; every step equals eager's."""
+    for loss, expected, diff in _train(1024):
+        assert loss == pytest.approx(expected, rel=1e-4)
+        assert diff < 1e-5
+    stitched = _stitched_graphs()
+    kinds = {name.rsplit(" ", 1)[1] for name in stitched}
+    assert {"forward", "backward"} <= kinds, stitched
+    assert any(name.endswith("inference") for name in stitched), stitched  # the optimizer's graph
+    plan = donate_backend.memory_plan()
+    print("\n" + plan.as_text())
+    (chosen,) = [c for c in plan.choices if "chosen automatically" in c]
+    assert "stitched step" in chosen
+    planned_stitched, planned_separate = (float(v) for v in re.findall(r"([\d.]+) MiB", chosen)[:2])
+    assert planned_separate - planned_stitched >= choice.MIN_SAVING_BYTES / MIB
+    # the plan of the step as it now runs: one gradient of 4 MiB at a time, not 24
+    assert plan.breakdown["gradients"] <= 4 * MIB + 64
+    assert plan.peak_bytes <= planned_stitched * MIB + MIB
+
+
+def test_gradients_kept_past_the_sync_keep_the_step_separate(xla_device):
+    """``opt.zero_grad()`` at the start of the step keeps the gradients through the sync:
+    stitched, they would be outputs of the computation, so nothing is stitched."""
+    for loss, expected, diff in _train(1024, zero_grad_first=True):
+        assert loss == pytest.approx(expected, rel=1e-4) and diff < 1e-5
+    assert _stitched_graphs() == []
+    backwards = [r for r in donate_backend.reports() if r.kind == "backward"]
+    assert backwards and all(r.gradients_at_sync and r.gradients_at_sync >= 24 * MIB for r in backwards)
+
+
+@pytest.mark.parametrize("how", ["option", "no sync", "small"])
+def test_no_stitching_when_set_off_unseen_or_not_worth_it(xla_device, how):
+    """``options={'stitch': False}`` keeps a step separate; so does a loop that never
+    syncs (no sync ever shows the gradients dropped) and a step whose saving is under
+    ``choice.MIN_SAVING_BYTES`` (six Linear(256) layers: 1.5 MiB of gradients)."""
+    runs = _train(
+        256 if how == "small" else 1024,
+        options={"stitch": False} if how == "option" else None,
+        sync=how != "no sync",
+    )
+    for loss, expected, diff in runs:
+        assert loss == pytest.approx(expected, rel=1e-4) and diff < 1e-5
+    assert _stitched_graphs() == []
