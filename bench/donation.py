@@ -193,6 +193,8 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
         model=model_name,
         backend=backend,
         backward_segments=max((r.backward_segments for r in backwards), default=0),
+        # the step ran stitched (chosen by default, donate_backend.choice, or by the switch)
+        stitched=any(r.stitched for r in backwards),
         limit=limit,
         state_bytes=sum(t.numel() * t.element_size() for t in state),
         choices=list(plan.choices) if plan is not None else None,

@@ -476,7 +476,8 @@ def donation_figures(results, model, backend) -> dict:
     live, glibc = entry["runs"]["live"][backend], entry["runs"]["glibc"][backend]
     return dict(live=[r["transient"] for r in live], glibc=[r["peak_growth"] for r in glibc],
                 step=[r["step_s"] for r in glibc], own=med(r["own"] for r in live),
-                state=live[0]["state_buffers"], segments=med(r.get("backward_segments", 0) for r in live))
+                state=live[0]["state_buffers"], segments=med(r.get("backward_segments", 0) for r in live),
+                stitched=all(r.get("stitched") for r in live))
 
 
 @field("donation.tables")
@@ -494,6 +495,8 @@ def _donation_tables(results):
             label = DONATION_ROWS.get(b, b)
             if b == "donate_xla" and f["segments"]:
                 label += f" ({f['segments']:.0f} backward segments, chosen by default)"
+            elif b == "donate_xla" and f["stitched"]:
+                label += " (stitched step, chosen by default)"
             limit = entry["runs"]["live"][b][0].get("limit")
             if limit is not None:
                 label += f" ({mib(limit)} MiB)"
