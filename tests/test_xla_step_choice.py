@@ -112,3 +112,42 @@ def test_no_stitching_when_set_off_unseen_or_not_worth_it(xla_device, how):
     for loss, expected, diff in runs:
         assert loss == pytest.approx(expected, rel=1e-4) and diff < 1e-5
     assert _stitched_graphs() == []
+
+
+def test_a_step_stitched_by_default_keeps_donating_every_buffer(xla_device):
+    """The stitched graphs are built at the third call, after aot_autograd's compile:
+    they must still know which inputs aot_autograd's wrapper bumps, or no record
+    vouches for a donor and nothing is donated (every parameter and momentum buffer
+    got a new address each step, a second copy of the state)."""
+    import torch_xla.core.xla_model as xm
+
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    model = _layers(1024).to(xla_device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    x = torch.randn(8, 1024).to(xla_device)
+
+    @torch.compile(backend="donate_xla")
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def addresses():
+        state = list(model.parameters()) + [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+        return [torch_xla._XLAC._unsafe_buffer_pointer(t) for t in state]
+
+    kept = []
+    previous = None
+    for _ in range(6):
+        step(x)
+        torch_xla.sync()
+        xm.wait_device_ops()
+        now = addresses() if opt.state else None
+        if previous is not None:
+            kept.append(sum(a == b for a, b in zip(previous, now)))
+        previous = now
+    assert _stitched_graphs(), "the step was not stitched"
+    assert kept[-3:] == [24, 24, 24], kept

@@ -272,6 +272,11 @@ def compile_graph(gm, example_inputs, ctx):
     symbolic = is_symbolic(example_inputs)
     host_inputs = tuple(check_inputs(example_inputs, ctx.name))  # the one check: devices do not change per signature
     planning = budget.plan_phase(gm)  # a memory limit's choice: counted once, in the first build's record
+    # aot_autograd increments the versions of inputs a forward or inference graph mutates
+    # before each call; its backward increments nothing. Read here, inside aot_autograd's
+    # compile: a build for other settings (a step stitched once it has run) comes later,
+    # outside it, and without this no record would vouch for a donor (nothing donated).
+    bumped = frozenset() if ctx.kind == "backward" else compat.aot_version_bumped_inputs()
 
     def executable_for(settings: config.Settings, args=None, device_args=None) -> XlaExecutable:
         nonlocal planning
@@ -302,9 +307,6 @@ def compile_graph(gm, example_inputs, ctx):
         )
 
         start, before = time.perf_counter(), metrics.transfer_snapshot()
-        # aot_autograd increments the versions of inputs a forward or inference graph
-        # mutates before each call; its backward increments nothing
-        bumped = frozenset() if ctx.kind == "backward" else compat.aot_version_bumped_inputs()
         lowered = lower(request, real_inputs)
         if stitch and not lowered.params:  # torch_xla's user computations need an operand:
             stitch = False  # a graph that reads nothing (it makes constants) runs on its own
