@@ -18,6 +18,7 @@ import torch_xla  # noqa: E402
 
 import donate_backend  # noqa: E402
 from donate_backend import choice  # noqa: E402
+from xla_models import squared_mean_step  # noqa: E402
 
 MIB = 2**20
 
@@ -127,13 +128,7 @@ def test_a_step_stitched_by_default_keeps_donating_every_buffer(xla_device):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     x = torch.randn(8, 1024).to(xla_device)
 
-    @torch.compile(backend="donate_xla")
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = torch.compile(squared_mean_step(model, opt), backend="donate_xla")
 
     def addresses():
         state = list(model.parameters()) + [opt.state[p]["momentum_buffer"] for p in model.parameters()]
