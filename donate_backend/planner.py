@@ -209,7 +209,8 @@ def _choices(records: Iterable[report.GraphRecord]) -> Tuple[str, ...]:
             )
         if r.bucket_grads:
             out.append(f"{r.name}: {r.bucket_grads} gradients written into DDP buckets")
-    return tuple(out)
+    # a graph built again for other settings (stitched once its step ran) repeats its choices
+    return tuple(dict.fromkeys(out))
 
 
 def memory_plan(
