@@ -266,7 +266,9 @@ def test_per_compile_options_set_segments_for_one_function_only(xla_device):
 
 
 def _live_growth(count: int) -> dict:
-    env = {"DONATE_XLA_BACKWARD_SEGMENTS": str(count)}
+    # separate executables either way: the default would stitch this gradient-heavy step
+    # once it has run (donate_backend/choice.py), which is another lever
+    env = {"DONATE_XLA_BACKWARD_SEGMENTS": str(count), "DONATE_XLA_STITCH": "0"}
     return live_growth(env, depth=12, width=1024, batch=1024, activation="Tanh", bias=False)
 
 
