@@ -36,7 +36,7 @@ from .native import memory as native_memory
 from .planner import MemoryPlan, memory_plan
 
 MIB = 2**20
-STEPS = 2  # the first step makes the optimizer state, the second runs with it
+STEPS = step_choice.STEPS  # the first step makes the optimizer state, the second runs with it
 
 
 class LimitedGraph:

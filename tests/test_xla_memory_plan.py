@@ -390,6 +390,14 @@ def test_a_limit_the_optimizer_step_alone_breaks_is_met_stitched_or_refused_befo
     estimate = int(re.search(r"this step stitched is planned at [\d.]+ MiB \((\d+) bytes\)", text).group(1))
     assert abs(estimate - stitched.peak_bytes) <= MIB
 
+    # a step already stitched and still over its limit is not planned again: it warns
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        forced, _ = train({"memory_limit": stitched.peak_bytes - MIB, "stitch": True}, 4)
+    (warned,) = [str(w.message) for w in seen if "memory_limit" in str(w.message)]
+    assert "the step is stitched" in warned and "not planned again" in warned
+    assert forced == pytest.approx(expected, rel=1e-5)
+
 
 @pytest.mark.parametrize("segments", [8])
 def test_a_backward_in_segments_ends_where_the_whole_backward_ends(xla_device, segments):
