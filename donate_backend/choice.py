@@ -55,10 +55,10 @@ def _candidate(graph_id: int):
     stitched estimate (a backward in segments, no optimizer graph after it), or the
     gradients kept past a sync (or no sync seen yet)."""
     from .errors import DonateXlaError
-    from .planner import _last_step, memory_plan
+    from .planner import last_step, memory_plan
 
     records = [r for r in report.reports() if r.path == "xla"]
-    step = _last_step([r for r in records if r.memory is not None])
+    step = last_step([r for r in records if r.memory is not None], graph_id)
     own = [r for r in step if r.graph_id == graph_id and r.kind == "forward"]
     choices = {id(r.step_choice): r.step_choice for r in step}
     if not own or None in choices.values() or any(c.decided for c in choices.values()):
@@ -70,8 +70,8 @@ def _candidate(graph_id: int):
     if any(g for g in seen) or None in seen:
         return None  # gradients kept past the sync: stitched, they would all be outputs
     try:
-        separate = memory_plan(records, workspaces=False)
-        stitched = memory_plan(records, workspaces=False, as_stitched=True)
+        separate = memory_plan(records, workspaces=False, graph_id=graph_id)
+        stitched = memory_plan(records, workspaces=False, as_stitched=True, graph_id=graph_id)
     except DonateXlaError:
         return None
     if not any("stitched step" in note for note in stitched.notes):

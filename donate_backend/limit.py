@@ -33,7 +33,7 @@ from . import choice as step_choice
 from .budget import MemoryLimitError
 from .errors import DonateXlaError
 from .native import memory as native_memory
-from .planner import MemoryPlan, memory_plan
+from .planner import MemoryPlan, last_step, memory_plan
 
 MIB = 2**20
 STEPS = step_choice.STEPS  # the first step makes the optimizer state, the second runs with it
@@ -72,13 +72,15 @@ class LimitedGraph:
             return None
         path = forward.path
         try:
-            plan = memory_plan([r for r in report.reports() if r.path == path], workspaces=False)
+            plan = memory_plan([r for r in report.reports() if r.path == path], workspaces=False,
+                               graph_id=self.request.graph_id)
         except DonateXlaError:
             return None
         if plan.peak_bytes <= self.limit:
             return None
         same_path = [r for r in report.reports() if r.path == path]
-        if any(r.stitched for r in same_path):
+        step = last_step([r for r in same_path if r.memory is not None], self.request.graph_id)
+        if any(r.stitched for r in step):
             # one XLA computation, whose schedule the plan only approximates, and which
             # no activation budget is planned for: warned, not refused
             return self._warn(plan, stitched=True)
@@ -151,7 +153,7 @@ class LimitedGraph:
             if forward.path == "xla" and not stitched:
                 stitch = (" On the XLA path a stitched step (options={'stitch': True}) runs the graphs as "
                           "one XLA computation, which frees each gradient as the optimizer consumes it"
-                          + _stitched_estimate(forward.path) + " (docs/donation.md, 'Below the floor').")
+                          + _stitched_estimate(forward.path, graph_id) + " (docs/donation.md, 'Below the floor').")
             raise MemoryLimitError(
                 f"donate_xla: graph {graph_id}: once the optimizer's first step made its state "
                 f"({state / MIB:.1f} MiB), the step needs at least {need / MIB:.1f} MiB ({need} bytes): "
@@ -175,10 +177,11 @@ class LimitedGraph:
         return note
 
 
-def _stitched_estimate(path: str) -> str:
+def _stitched_estimate(path: str, graph_id: int) -> str:
     """The step planned as if stitched (``memory_plan(as_stitched=True)``), as text."""
     try:
-        plan = memory_plan([r for r in report.reports() if r.path == path], workspaces=False, as_stitched=True)
+        plan = memory_plan([r for r in report.reports() if r.path == path], workspaces=False, as_stitched=True,
+                           graph_id=graph_id)
     except DonateXlaError:
         return ""
     if not any("stitched step" in note for note in plan.notes):

@@ -141,10 +141,12 @@ def _step_order(records: Sequence[report.GraphRecord]) -> List[report.GraphRecor
     return ran + waiting
 
 
-def _last_step(records: List[report.GraphRecord]) -> List[report.GraphRecord]:
+def last_step(records: List[report.GraphRecord], graph_id: Optional[int] = None) -> List[report.GraphRecord]:
     """The graphs of the last step: a graph that last ran before the step's first
     forward belongs to an earlier step only (an optimizer's first step, which makes
-    its state, compiles a graph of its own that later steps never run again)."""
+    its state, compiles a graph of its own that later steps never run again).
+    With ``graph_id``: the last step of that forward, from its last call on (another
+    model's graphs that stopped running before it are not part of it)."""
     # A graph built again for other settings (a step stitched once it had run) first ran
     # after its old build last ran: the old one is no longer part of the step.
     newest: Dict[tuple, int] = {}
@@ -153,7 +155,8 @@ def _last_step(records: List[report.GraphRecord]) -> List[report.GraphRecord]:
             key = (r.graph_id, r.kind)
             newest[key] = max(newest.get(key, r.first_call), r.first_call)
     records = [r for r in records if r.last_call is None or r.last_call >= newest.get((r.graph_id, r.kind), 0)]
-    forwards = [r.last_call for r in records if r.kind == "forward" and r.last_call is not None]
+    forwards = [r.last_call for r in records if r.kind == "forward" and r.last_call is not None
+                and graph_id in (None, r.graph_id)]
     if not forwards:
         return records
     start = min(forwards)
@@ -163,16 +166,23 @@ def _last_step(records: List[report.GraphRecord]) -> List[report.GraphRecord]:
 def _gradient_consumers(ordered: Sequence[report.GraphRecord]) -> Dict[int, int]:
     """Position of each stitched backward whose gradients a stitched optimizer graph
     consumes in the same XLA computation -> that graph's own peak (one update's
-    temporaries): the first graph after the backward that is neither a forward nor a
-    backward, if it is stitched too."""
+    temporaries): the first graph after the backward that overwrites parameters (an
+    optimizer's step; an evaluation graph run in between updates none), if it is
+    stitched too."""
     out = {}
     for position, r in enumerate(ordered):
         if r.kind != "backward" or not r.stitched:
             continue
-        after = next((g for g in ordered[position + 1:] if g.kind not in ("forward", "backward")), None)
+        after = next((g for g in ordered[position + 1:] if g.kind not in ("forward", "backward")
+                      and _updates_parameters(g)), None)
         if after is not None and after.stitched:
             out[position] = max(0, after.memory.peak_bytes)
     return out
+
+
+def _updates_parameters(record: report.GraphRecord) -> bool:
+    """Whether a graph writes new values into parameters (donated or not)."""
+    return "parameter" in record.overwritten_roles
 
 
 def _optimizer_state_bytes(optimizer, seen: set) -> int:
@@ -215,7 +225,7 @@ def _choices(records: Iterable[report.GraphRecord]) -> Tuple[str, ...]:
 
 def memory_plan(
     records: Optional[Sequence[report.GraphRecord]] = None, *, optimizer=None, workspaces: bool = True,
-    as_stitched: bool = False,
+    as_stitched: bool = False, graph_id: Optional[int] = None,
 ) -> MemoryPlan:
     """The predicted memory of one step of the graphs compiled so far (see the module docstring).
 
@@ -229,6 +239,8 @@ def memory_plan(
     ``as_stitched``: XLA path, a step compiled without stitching, planned as if
     its graphs were stitched (``DONATE_XLA_STITCH``): what that lever would need.
     Only where the backward is one graph (not in segments); else the plan as it is.
+    ``graph_id``: plan the last step of that dynamo graph's forward (the graphs run
+    since it last ran); default: of the forward that last ran first.
     """
     records = list(report.reports() if records is None else records)
     native = [r for r in records if r.memory is not None]
@@ -250,7 +262,7 @@ def memory_plan(
             help_section="Memory plan",
         )
     path = paths[0]
-    native = _last_step(native)
+    native = last_step(native, graph_id)
     # An input that is neither state nor a parameter, which another graph returned, is
     # that graph's output (logits read by a loss compiled separately), not resident.
     # (Optimizer state a first step's graph returned is resident all the same.)

@@ -63,6 +63,9 @@ class GraphRecord:
     input_shapes: Optional[tuple] = None  # XLA path, dynamic shapes: the signature compiled
     fallback_ops: tuple = ()  # XLA path: ops that run on the CPU between the graph's XLA segments
     stitched: bool = False  # XLA path: runs inside a lazy whole-step graph (DONATE_XLA_STITCH)
+    # XLA path: roles of the inputs the graph writes new values into (an optimizer's
+    # step: parameter, optimizer_state), donated or not
+    overwritten_roles: tuple = ()
     saved_bytes: Optional[int] = None  # forward graphs: bytes of activations saved for backward
     recompute_gated: int = 0  # XLA backward graphs: recomputation roots kept in order (xla/recompute.py)
     # XLA backward graphs run in segments (xla/segments.py): how many, and the bytes of

@@ -353,9 +353,10 @@ def test_a_limit_the_optimizer_step_alone_breaks_is_met_stitched_or_refused_befo
     eager = _layers(width=512, depth=4)
     x = torch.randn(8, 512).to(xla_device)
 
-    def train(options, steps):
-        torch._dynamo.reset()
-        donate_backend.clear_reports()
+    def train(options, steps, fresh=True):
+        if fresh:
+            torch._dynamo.reset()
+            donate_backend.clear_reports()
         torch.manual_seed(0)
         model = copy.deepcopy(eager).to(xla_device)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -397,6 +398,20 @@ def test_a_limit_the_optimizer_step_alone_breaks_is_met_stitched_or_refused_befo
     (warned,) = [str(w.message) for w in seen if "memory_limit" in str(w.message)]
     assert "the step is stitched" in warned and "not planned again" in warned
     assert forced == pytest.approx(expected, rel=1e-5)
+
+    # another model stitched earlier in the process is not this step: it is still stitched to fit
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    small = _layers(width=32, depth=2).to(xla_device)
+    small_opt = torch.optim.SGD(small.parameters(), lr=1e-3, momentum=0.9)
+    small_step = torch.compile(squared_mean_step(small, small_opt), backend="donate_xla", options={"stitch": True})
+    _train(small, small_step, torch.randn(8, 32).to(xla_device), steps=3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        losses, _ = train({"memory_limit": limit}, 4, fresh=False)
+    assert not [str(w.message) for w in seen if "memory_limit" in str(w.message)]
+    assert losses == pytest.approx(expected, rel=1e-5)
+    assert [c for c in donate_backend.memory_plan().choices if "chosen to fit memory_limit" in c]
 
 
 @pytest.mark.parametrize("segments", [8])

@@ -31,11 +31,13 @@ def _layers(width: int, depth: int = 6):
     return torch.nn.Sequential(*layers)
 
 
-def _train(width, steps=6, zero_grad_first=False, sync=True, options=None, batch=8):
+def _train(width, steps=6, zero_grad_first=False, sync=True, options=None, batch=8, fresh=True):
     """``steps`` SGD-momentum steps compiled with donate_xla and run eagerly on the CPU;
-    per step, both losses and the largest parameter difference."""
-    torch._dynamo.reset()
-    donate_backend.clear_reports()
+    per step, both losses and the largest parameter difference. ``fresh``: forget
+    what was compiled before."""
+    if fresh:
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
     eager = _layers(width)
     model = copy.deepcopy(eager).to(torch_xla.device())
     opts = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, eager)]
@@ -146,3 +148,64 @@ def test_a_step_stitched_by_default_keeps_donating_every_buffer(xla_device):
         previous = now
     assert _stitched_graphs(), "the step was not stitched"
     assert kept[-3:] == [24, 24, 24], kept
+
+
+def test_a_model_stitched_before_does_not_decide_for_the_next(xla_device):
+    """A small model trained first with ``options={'stitch': True}`` (fixed settings,
+    no choice of its own), then the gradient-bound model: its step is the graphs that
+    ran since its own forward last ran, so it is chosen for and stitched all the same,
+    with eager's values."""
+    for loss, expected, diff in _train(64, steps=3, options={"stitch": True}):
+        assert loss == pytest.approx(expected, rel=1e-4) and diff < 1e-5
+    small = set(_stitched_graphs())
+    for loss, expected, diff in _train(1024, fresh=False):
+        assert loss == pytest.approx(expected, rel=1e-4) and diff < 1e-5
+    chosen = [name for name in _stitched_graphs() if name not in small]
+    assert any(name.endswith("forward") for name in chosen), chosen
+    assert any("chosen automatically" in c for c in donate_backend.memory_plan().choices)
+
+
+def test_an_evaluation_between_backward_and_optimizer_is_not_the_update(xla_device):
+    """Stitched, the optimizer's update takes each gradient as it is made (the plan
+    counts one at a time, plus the update's own temporaries). An evaluation compiled
+    separately and run between ``backward()`` and ``opt.step()`` updates no parameter,
+    so the plan does not take it for the update; the step equals eager's."""
+    from donate_backend import planner
+
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    eager = _layers(512, depth=3)
+    model = copy.deepcopy(eager).to(xla_device)
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, eager)]
+    stitched = {"stitch": True}
+    loss_of = torch.compile(lambda x: model(x).square().mean(), backend="donate_xla", options=stitched)
+    probe = torch.compile(lambda x: model(x).amax(), backend="donate_xla", options=stitched)
+    update = torch.compile(opts[0].step, backend="donate_xla", options=stitched)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        loss = loss_of(x.to(xla_device))
+        loss.backward()
+        with torch.no_grad():
+            probed = probe(x.to(xla_device))
+        update()
+        opts[0].zero_grad()
+        torch_xla.sync()
+        expected = eager(x).square().mean()
+        expected.backward()
+        with torch.no_grad():
+            assert float(probed) == pytest.approx(float(eager(x).amax()), rel=1e-4)
+        opts[1].step()
+        opts[1].zero_grad()
+        assert float(loss) == pytest.approx(float(expected), rel=1e-4)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
+
+    ordered = planner._step_order(planner.last_step([r for r in donate_backend.reports() if r.memory is not None]))
+    kinds = [r.kind for r in ordered]
+    backward = kinds.index("backward")
+    after = [r for r in ordered[backward + 1:] if r.kind == "inference"]
+    assert len(after) == 2, [r.name for r in ordered]  # the evaluation, then the optimizer's step
+    evaluation, optimizer = after
+    assert evaluation.overwritten_roles == () and "parameter" in optimizer.overwritten_roles
+    assert evaluation.memory.peak_bytes != optimizer.memory.peak_bytes
+    assert planner._gradient_consumers(ordered) == {backward: optimizer.memory.peak_bytes}

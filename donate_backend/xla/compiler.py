@@ -340,6 +340,7 @@ def compile_graph(gm, example_inputs, ctx):
                 excluded=list(choice.exclusions),
                 donation_enabled=donation,
                 stitched=stitch,
+                overwritten_roles=tuple(sorted({_role(roles, len(examples), i, ctx.kind) for i, _ in lowered.writebacks})),
                 saved_bytes=saved_bytes(gm, ctx),
                 recompute_gated=lowered.traced.recompute_gated if lowered.traced is not None else 0,
                 host_input_bytes=host_input_bytes(examples),
