@@ -22,8 +22,10 @@ let XLA give a parameter the old buffer of a same-shaped momentum, so sets are
 compared), how many of them got their own buffer back (XLA pairs donated buffers
 with same-sized results in parameter order, so two state tensors can swap buffers,
 which costs a copy of each) and the median step time (from the glibc runs).
-Rows: donate_xla (separate forward, backward and optimizer executables),
-donate_xla_stitch (DONATE_XLA_STITCH=1: they run as one lazy whole-step graph),
+Rows: donate_xla (the default: separate forward, backward and optimizer executables,
+or the stitched step where its plan chooses it after two steps), donate_xla_separate
+(DONATE_XLA_STITCH=0: never stitched, the default before it chose), donate_xla_stitch
+(DONATE_XLA_STITCH=1: they run as one lazy whole-step graph),
 donate_xla_budget (DONATE_XLA_ACTIVATION_BUDGET=0.1: recompute instead of saving
 most activations), donate_xla_budget_0.45 (DONATE_XLA_ACTIVATION_BUDGET=0.45: a bit
 under half the activations saved, cheap ones recomputed), donate_xla_stitch_budget_0.45 (both
@@ -47,7 +49,9 @@ donate_xla's backward inputs that are neither parameters nor incoming
 gradients (openxla's default partitioner saves more: transposed weights too), in
 a run whose backward is one executable (``floor_bytes``).
 Writes every run (its RSS trace included) to bench/results/donation.json; bench/render.py
-draws docs/donation_rss.png from it. Run: `make bench`.
+draws docs/donation_rss.png from it. Run: `make bench`. `make bench` also writes
+bench/results/donation_default.json: the default against the rows it chooses between and the
+references, on the four models of bench/xla_common.py (`--json`), one run.
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from jax_common import jax_python, jax_worker  # noqa: E402
 
 BACKENDS = (
-    "donate_xla", "donate_xla_stitch", "donate_xla_budget", "donate_xla_budget_0.45", "donate_xla_stitch_budget_0.45",
+    "donate_xla", "donate_xla_separate", "donate_xla_stitch", "donate_xla_budget", "donate_xla_budget_0.45", "donate_xla_stitch_budget_0.45",
     "donate_xla_budget_sched", "donate_xla_segments", "donate_xla_segments_budget_0.8", "donate_xla_segments_budget_0.7",
     "donate_xla_limit_0.7", "donate_xla_limit_0.8", "openxla", "openxla_flagged", "lazy", "lazy_sched", "jax", "jax_remat",
 )
@@ -77,6 +81,7 @@ JAX_MODEL = "gpt6x512_adamw"
 MEMORY_SCHEDULER = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
 # variants: the switches they run under (set before the XLA client starts)
 VARIANTS = {
+    "donate_xla_separate": {"DONATE_XLA_STITCH": "0"},
     "donate_xla_stitch": {"DONATE_XLA_STITCH": "1"},
     "donate_xla_segments": {"DONATE_XLA_BACKWARD_SEGMENTS": "8"},
     "donate_xla_segments_budget_0.8": {"DONATE_XLA_BACKWARD_SEGMENTS": "8", "DONATE_XLA_ACTIVATION_BUDGET": "0.8"},
@@ -218,7 +223,7 @@ def floor_bytes(live_runs: dict):
     rows that save every activation in one backward (donate_xla, donate_xla_stitch; not one
     split into segments, whose inputs include the values passed between segments); None when
     no such row ran."""
-    for backend in ("donate_xla", "donate_xla_stitch"):
+    for backend in ("donate_xla", "donate_xla_separate", "donate_xla_stitch"):
         for run in live_runs.get(backend, []):
             if not run.get("backward_segments") and run.get("saved_bytes") is not None:
                 return run["grad_bytes"] + run["saved_bytes"], run["grad_bytes"], run["saved_bytes"]

@@ -453,11 +453,11 @@ DONATION_ROWS = {
 }
 
 
-def _donation(results, model):
-    for entry in results.get("donation", "results"):
+def _donation(results, model, name="donation"):
+    for entry in results.get(name, "results"):
         if entry["model"] == model:
             return entry
-    raise ResultsError(f"{results.path('donation')}: no model {model} in the results; run bench/donation.py again")
+    raise ResultsError(f"{results.path(name)}: no model {model} in the results; run bench/donation.py again")
 
 
 def donation_floor(results, entry) -> tuple:
@@ -471,9 +471,13 @@ def donation_floor(results, entry) -> tuple:
     return floor
 
 
-def donation_figures(results, model, backend) -> dict:
-    entry = _donation(results, model)
-    live, glibc = entry["runs"]["live"][backend], entry["runs"]["glibc"][backend]
+def donation_figures(results, model, backend, name="donation") -> dict:
+    entry = _donation(results, model, name)
+    try:
+        live, glibc = entry["runs"]["live"][backend], entry["runs"]["glibc"][backend]
+    except KeyError:
+        raise ResultsError(f"{results.path(name)}: {model} has no {backend} row; run bench/donation.py "
+                           "with it (`make bench`)") from None
     return dict(live=[r["transient"] for r in live], glibc=[r["peak_growth"] for r in glibc],
                 step=[r["step_s"] for r in glibc], own=med(r["own"] for r in live),
                 state=live[0]["state_buffers"], segments=med(r.get("backward_segments", 0) for r in live),
@@ -518,6 +522,44 @@ def _donation_tables(results):
     parts.append(caption(data, "Medians [min–max] over fresh processes, interleaved; live growth from the "
                                "live-byte runs, glibc growth and step times from the glibc runs"))
     return "\n\n".join(parts)
+
+
+def _default_choice(f: dict) -> str:
+    if f["stitched"]:
+        return "stitched step"
+    if f["segments"]:
+        return f"{f['segments']:.0f} backward segments"
+    return "separate executables"
+
+
+@field("donation.default_table")
+def _donation_default_table(results):
+    """The default against what it chooses between (never stitched, always stitched) and the
+    references, one run over the four models (bench/results/donation_default.json)."""
+    name = "donation_default"
+    rows = []
+    for entry in results.get(name, "results"):
+        model = entry["model"]
+        f = {b: donation_figures(results, model, b, name)
+             for b in ("donate_xla", "donate_xla_separate", "donate_xla_stitch", "lazy", "openxla")}
+        default = f["donate_xla"]
+        rows.append([
+            XLA_MODELS.get(model, model), _default_choice(default),
+            spread(default["live"], unit=" MiB"), spread(f["donate_xla_separate"]["live"], unit=" MiB"),
+            spread(f["donate_xla_stitch"]["live"], unit=" MiB"), spread(f["lazy"]["live"], unit=" MiB"),
+            spread(f["openxla"]["live"], unit=" MiB"),
+            ratio(med(default["live"]), med(f["lazy"]["live"])),
+            spread(default["step"], seconds), spread(f["donate_xla_separate"]["step"], seconds),
+            ratio(med(default["step"]), med(f["donate_xla_separate"]["step"])),
+            ratio(med(default["step"]), med(f["openxla"]["step"])),
+        ])
+    return "\n\n".join([
+        table(["model", "default chose", "live growth: default", "never stitched", "always stitched", "lazy",
+               "openxla", "default × lazy", "step s: default", "never stitched", "× never stitched",
+               "× openxla"], rows),
+        caption(results(name), "Medians [min–max] over fresh processes, interleaved; live growth from the "
+                               "live-byte runs, step times from the glibc runs"),
+    ])
 
 
 def _donation_value(model, backend, key):

@@ -102,8 +102,51 @@ MODELS = {
 }
 
 
+class PreLN(nn.Module):
+    """A pre-LN transformer encoder: 4 layers, width 512, vocabulary 4096 (torch's own layers)."""
+
+    def __init__(self, width=512, depth=4, heads=8, vocab=4096):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _gelu_mlp(width=2048, depth=8):
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+# Two more models, not tuned for: `--models` takes them (bench/xla_plan_accuracy.py runs them by default)
+MORE_MODELS = {
+    "mlp8x2048_gelu": dict(
+        make=_gelu_mlp,
+        opt=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
+        batch=lambda: (torch.randn(256, 2048), torch.randn(256, 2048)),
+        loss=lambda out, y: F.mse_loss(out, y),
+    ),
+    "preln4x512_adamw": dict(
+        make=PreLN,
+        opt=lambda p: torch.optim.AdamW(p, lr=1e-4),
+        batch=lambda: (torch.randint(0, 4096, (8, 128)), torch.randint(0, 4096, (8, 128))),
+        loss=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+    ),
+}
+
+
 def build(model_name: str, device):
-    spec = MODELS[model_name]
+    spec = {**MODELS, **MORE_MODELS}[model_name]
     torch.manual_seed(0)
     model = spec["make"]().to(device)
     opt = spec["opt"](list(model.parameters()))
@@ -170,7 +213,8 @@ def bench_arguments(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated; also {', '.join(MORE_MODELS)}")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BACKEND"), help="internal: one run")
     parser.add_argument("--json", help="write the results here instead of bench/results/")
     return parser

@@ -11,9 +11,9 @@ every 2 ms over 4 more steps. Compared:
 - peak: the plan's ``peak_bytes`` against the state's exact bytes plus the
   measured growth (what the plan's accuracy target is stated on).
 
-Models: the two of bench/xla_common.py (a 50M-parameter MLP with SGD momentum, a
-6-layer GPT with AdamW) and two more: 8 x (Linear 2048 + GELU) batch 256 with SGD
-momentum, a 4-layer pre-LN transformer d=512 with AdamW. Settings: default,
+Models: the four of bench/xla_common.py (``MODELS``: a 50M-parameter MLP with SGD
+momentum, a 6-layer GPT with AdamW; ``MORE_MODELS``: 8 x (Linear 2048 + GELU) batch 256
+with SGD momentum, a 4-layer pre-LN transformer d=512 with AdamW). Settings: default,
 DONATE_XLA_STITCH=1, DONATE_XLA_BACKWARD_SEGMENTS=8.
 
 And the real models of tests/test_xla_real_models.py (HF transformers from configs,
@@ -45,48 +45,6 @@ SETTINGS = {
 MODELS = ("mlp50m_sgd", "gpt6x512_adamw", "mlp8x2048_gelu", "preln4x512_adamw")
 REAL_MODELS = ("gpt2", "bert", "llama", "t5", "bart", "mixtral", "resnet18", "vit")
 REAL_SIZE = dict(width=256, vocab=4096, seq=128, batch=8)
-
-
-def _extra_models():
-    import torch
-    import torch.nn.functional as F
-
-    def mlp():
-        layers = []
-        for _ in range(8):
-            layers += [torch.nn.Linear(2048, 2048), torch.nn.GELU()]
-        return torch.nn.Sequential(*layers)
-
-    class PreLN(torch.nn.Module):
-        def __init__(self, width=512, depth=4, heads=8, vocab=4096):
-            super().__init__()
-            self.embed = torch.nn.Embedding(vocab, width)
-            self.blocks = torch.nn.ModuleList(
-                torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
-                for _ in range(depth)
-            )
-            self.head = torch.nn.Linear(width, vocab)
-
-        def forward(self, idx):
-            x = self.embed(idx)
-            for block in self.blocks:
-                x = block(x)
-            return self.head(x)
-
-    return {
-        "mlp8x2048_gelu": dict(
-            make=mlp,
-            opt=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
-            batch=lambda: (torch.randn(256, 2048), torch.randn(256, 2048)),
-            loss=lambda out, y: F.mse_loss(out, y),
-        ),
-        "preln4x512_adamw": dict(
-            make=PreLN,
-            opt=lambda p: torch.optim.AdamW(p, lr=1e-4),
-            batch=lambda: (torch.randint(0, 4096, (8, 128)), torch.randint(0, 4096, (8, 128))),
-            loss=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
-        ),
-    }
 
 
 def _real_model(name: str, device):
@@ -128,7 +86,6 @@ def worker(model_name: str) -> dict:
     import xla_common
     from measure import current_rss
 
-    xla_common.MODELS.update(_extra_models())
     device = torch_xla.device()
     if model_name in REAL_MODELS:
         model, opt, step, inputs = _real_model(model_name, device)
