@@ -90,6 +90,13 @@ def test_a_gradient_bound_step_is_stitched_after_two_steps_with_eager_values(xla
     # the plan of the step as it now runs: one gradient of 4 MiB at a time, not 24
     assert plan.breakdown["gradients"] <= 4 * MIB + 64
     assert plan.peak_bytes <= planned_stitched * MIB + MIB
+    # the forward built stitched at the third call still tells the activations it saves for
+    # the backward from the loss it returns (aot_autograd's count of them, read at its compile)
+    first, rebuilt = [r for r in donate_backend.reports() if r.kind == "forward" and r.memory is not None]
+    assert rebuilt.stitched and not first.stitched
+    assert rebuilt.saved_bytes == first.saved_bytes > 0
+    assert dict(rebuilt.memory.end_parts) == dict(first.memory.end_parts)
+    assert dict(rebuilt.memory.end_parts).get("outputs", 0) <= 64  # the loss
 
 
 def test_gradients_kept_past_the_sync_keep_the_step_separate(xla_device):

@@ -35,7 +35,7 @@ _warned_no_donation: set[str] = set()
 
 def saved_bytes(gm, ctx) -> Optional[int]:
     """A forward graph's bytes saved for backward (outputs past the user's); else None."""
-    num_user_outputs = _num_user_outputs(ctx)
+    num_user_outputs = _num_user_outputs(ctx, gm)
     if num_user_outputs is None:
         return None
     total = 0
@@ -48,11 +48,21 @@ def saved_bytes(gm, ctx) -> Optional[int]:
     return total
 
 
-def _num_user_outputs(ctx) -> Optional[int]:
-    """For forward graphs: outputs at or past this index are saved for backward."""
+_USER_OUTPUTS_META = "donate_xla_user_outputs"
+
+
+def _num_user_outputs(ctx, gm) -> Optional[int]:
+    """For forward graphs: outputs at or past this index are saved for backward.
+
+    Read from aot_autograd's context once, inside its compile (``compile_graph``), and
+    kept on the graph: a build made later for other settings (a step stitched once it
+    has run) is outside that context, and would take the saved activations for the
+    caller's outputs (the plan then dropped them as outputs the caller let go)."""
     if ctx.kind != "forward" or ctx.segment is not None:
         return None
-    return torch_compat.forward_output_count()
+    if _USER_OUTPUTS_META not in gm.meta:
+        gm.meta[_USER_OUTPUTS_META] = torch_compat.forward_output_count()
+    return gm.meta[_USER_OUTPUTS_META]
 
 
 def _role(roles: Sequence[str], num_inputs: int, index: int, kind: str) -> str:
@@ -88,7 +98,7 @@ def choose_donors(gm, example_inputs, ctx, roles, host_inputs: Sequence[int]) ->
     shared = aliasing.shared_storage_partner(example_inputs)
     reaching = aliasing.inputs_reaching_outputs(gm.graph)
     returned = aliasing.inputs_returned_as_is(gm.graph)
-    num_user_outputs = _num_user_outputs(ctx)
+    num_user_outputs = _num_user_outputs(ctx, gm)
 
     def unsafe(i: int, overwritten: bool) -> Optional[str]:
         if i in host_scalars:
@@ -277,6 +287,7 @@ def compile_graph(gm, example_inputs, ctx):
     # compile: a build for other settings (a step stitched once it has run) comes later,
     # outside it, and without this no record would vouch for a donor (nothing donated).
     bumped = frozenset() if ctx.kind == "backward" else compat.aot_version_bumped_inputs()
+    _num_user_outputs(ctx, gm)  # likewise: which outputs are the caller's
 
     def executable_for(settings: config.Settings, args=None, device_args=None) -> XlaExecutable:
         nonlocal planning
@@ -315,7 +326,7 @@ def compile_graph(gm, example_inputs, ctx):
         predicted_at = time.perf_counter()
         predicted = xla_memory.predict_or_none(
             gm, ctx.name, ctx.kind, donors=lowered.donors if not stitch else (choice.donors if donation else ()),
-            forward_returns=_num_user_outputs(ctx), kept_inputs=gm.meta.get(fallback.KEPT_INPUTS_META, ()),
+            forward_returns=_num_user_outputs(ctx, gm), kept_inputs=gm.meta.get(fallback.KEPT_INPUTS_META, ()),
         )
         phases = planning + (("donors", start - analysed),) + lowered.phases + (
             ("memory prediction", time.perf_counter() - predicted_at),
@@ -355,7 +366,7 @@ def compile_graph(gm, example_inputs, ctx):
         )
         on_call = functools.partial(
             xla_memory.note_call, record, [_role(roles, len(examples), i, ctx.kind) for i in range(len(examples))],
-            forward_returns=_num_user_outputs(ctx),
+            forward_returns=_num_user_outputs(ctx, gm),
         )
         if stitch:
             return StitchedExecutable(
