@@ -71,14 +71,13 @@ class LimitedGraph:
         if forward is None:  # no training step was planned (inference, an optimizer's graph)
             return None
         path = forward.path
+        same_path = [r for r in report.reports() if r.path == path]
         try:
-            plan = memory_plan([r for r in report.reports() if r.path == path], workspaces=False,
-                               graph_id=self.request.graph_id)
+            plan = memory_plan(same_path, workspaces=False, graph_id=self.request.graph_id)
         except DonateXlaError:
             return None
         if plan.peak_bytes <= self.limit:
             return None
-        same_path = [r for r in report.reports() if r.path == path]
         step = last_step([r for r in same_path if r.memory is not None], self.request.graph_id)
         if any(r.stitched for r in step):
             # one XLA computation, whose schedule the plan only approximates, and which

@@ -33,9 +33,8 @@ _warned_unusable: set[str] = set()
 _warned_no_donation: set[str] = set()
 
 
-def saved_bytes(gm, ctx) -> Optional[int]:
+def saved_bytes(gm, num_user_outputs: Optional[int]) -> Optional[int]:
     """A forward graph's bytes saved for backward (outputs past the user's); else None."""
-    num_user_outputs = _num_user_outputs(ctx, gm)
     if num_user_outputs is None:
         return None
     total = 0
@@ -48,21 +47,12 @@ def saved_bytes(gm, ctx) -> Optional[int]:
     return total
 
 
-_USER_OUTPUTS_META = "donate_xla_user_outputs"
-
-
-def _num_user_outputs(ctx, gm) -> Optional[int]:
-    """For forward graphs: outputs at or past this index are saved for backward.
-
-    Read from aot_autograd's context once, inside its compile (``compile_graph``), and
-    kept on the graph: a build made later for other settings (a step stitched once it
-    has run) is outside that context, and would take the saved activations for the
-    caller's outputs (the plan then dropped them as outputs the caller let go)."""
+def _num_user_outputs(ctx) -> Optional[int]:
+    """For forward graphs: outputs at or past this index are saved for backward. Only
+    inside aot_autograd's compile (``compile_graph`` reads it once there)."""
     if ctx.kind != "forward" or ctx.segment is not None:
         return None
-    if _USER_OUTPUTS_META not in gm.meta:
-        gm.meta[_USER_OUTPUTS_META] = torch_compat.forward_output_count()
-    return gm.meta[_USER_OUTPUTS_META]
+    return torch_compat.forward_output_count()
 
 
 def _role(roles: Sequence[str], num_inputs: int, index: int, kind: str) -> str:
@@ -89,16 +79,17 @@ def _requested_donors(ctx) -> tuple:
     return tuple(ctx.captured.requested_donors)
 
 
-def choose_donors(gm, example_inputs, ctx, roles, host_inputs: Sequence[int]) -> DonorChoice:
+def choose_donors(gm, example_inputs, ctx, roles, host_inputs: Sequence[int],
+                  num_user_outputs: Optional[int]) -> DonorChoice:
     """Split the overwritten (and the requested) inputs into donors and exclusions.
-    ``host_inputs``: the indices of host (CPU) tensors (``check_inputs``), never donated."""
+    ``host_inputs``: the indices of host (CPU) tensors (``check_inputs``), never donated;
+    ``num_user_outputs``: a forward's outputs past this index are saved for its backward."""
     candidates = mutation.mutated_input_indices(gm.graph)
     requested = [i for i in _requested_donors(ctx) if i < len(example_inputs) and i not in candidates]
     host_scalars = set(host_inputs)
     shared = aliasing.shared_storage_partner(example_inputs)
     reaching = aliasing.inputs_reaching_outputs(gm.graph)
     returned = aliasing.inputs_returned_as_is(gm.graph)
-    num_user_outputs = _num_user_outputs(ctx, gm)
 
     def unsafe(i: int, overwritten: bool) -> Optional[str]:
         if i in host_scalars:
@@ -287,14 +278,17 @@ def compile_graph(gm, example_inputs, ctx):
     # compile: a build for other settings (a step stitched once it has run) comes later,
     # outside it, and without this no record would vouch for a donor (nothing donated).
     bumped = frozenset() if ctx.kind == "backward" else compat.aot_version_bumped_inputs()
-    _num_user_outputs(ctx, gm)  # likewise: which outputs are the caller's
+    # Likewise which outputs are the caller's: a later build without it took the saved
+    # activations for the caller's outputs (its plan dropped them as outputs let go).
+    user_outputs = _num_user_outputs(ctx)
 
     def executable_for(settings: config.Settings, args=None, device_args=None) -> XlaExecutable:
         nonlocal planning
         analysed = time.perf_counter()
         examples = concrete_examples(example_inputs, args) if symbolic else example_inputs
         real_inputs = device_args if compat.is_spmd() else None
-        choice = choose_donors(gm, examples, ctx, roles, host_inputs)
+        choice = choose_donors(gm, examples, ctx, roles, host_inputs, user_outputs)
+        input_roles = [_role(roles, len(examples), i, ctx.kind) for i in range(len(examples))]
         stitch = bool(settings.stitch) and real_inputs is None and not symbolic
         donation = settings.donation and _torch_xla_donates()
         # stitched, the buffers are donated at the sync (StitchedExecutable), not in the HLO
@@ -326,7 +320,7 @@ def compile_graph(gm, example_inputs, ctx):
         predicted_at = time.perf_counter()
         predicted = xla_memory.predict_or_none(
             gm, ctx.name, ctx.kind, donors=lowered.donors if not stitch else (choice.donors if donation else ()),
-            forward_returns=_num_user_outputs(ctx, gm), kept_inputs=gm.meta.get(fallback.KEPT_INPUTS_META, ()),
+            forward_returns=user_outputs, kept_inputs=gm.meta.get(fallback.KEPT_INPUTS_META, ()),
         )
         phases = planning + (("donors", start - analysed),) + lowered.phases + (
             ("memory prediction", time.perf_counter() - predicted_at),
@@ -351,8 +345,8 @@ def compile_graph(gm, example_inputs, ctx):
                 excluded=list(choice.exclusions),
                 donation_enabled=donation,
                 stitched=stitch,
-                overwritten_roles=tuple(sorted({_role(roles, len(examples), i, ctx.kind) for i, _ in lowered.writebacks})),
-                saved_bytes=saved_bytes(gm, ctx),
+                overwritten_roles=tuple(sorted({input_roles[i] for i, _ in lowered.writebacks})),
+                saved_bytes=saved_bytes(gm, user_outputs),
                 recompute_gated=lowered.traced.recompute_gated if lowered.traced is not None else 0,
                 host_input_bytes=host_input_bytes(examples),
                 input_shapes=tuple(tuple(t.shape) for t in examples if isinstance(t, torch.Tensor)) if symbolic else None,
@@ -364,10 +358,7 @@ def compile_graph(gm, example_inputs, ctx):
                 step_choice=ctx.choice,
             )
         )
-        on_call = functools.partial(
-            xla_memory.note_call, record, [_role(roles, len(examples), i, ctx.kind) for i in range(len(examples))],
-            forward_returns=_num_user_outputs(ctx, gm),
-        )
+        on_call = functools.partial(xla_memory.note_call, record, input_roles, forward_returns=user_outputs)
         if stitch:
             return StitchedExecutable(
                 ctx.name, lowered, host_values=on_host,
