@@ -2,9 +2,10 @@
 
 Each model and setting runs in a fresh process with ``MALLOC_MMAP_THRESHOLD_=65536``
 (RSS follows the live bytes, docs/benchmarks.md): the whole training step is
-compiled with donate_xla, runs 3 times (compiles, creates optimizer state), then
-``donate_backend.memory_plan()`` predicts one step and the process samples its RSS
-every 2 ms over 4 more steps. Compared:
+compiled with donate_xla, runs 4 times (compiles, creates optimizer state; a step
+the default stitches is rebuilt at the third call and first donates, compiling
+that variant, at the fourth), then ``donate_backend.memory_plan()`` predicts one
+step and the process samples its RSS every 2 ms over 4 more steps. Compared:
 
 - growth: the plan's ``growth_bytes`` against the measured peak - trough (the
   trough is when only parameters, optimizer state and the batch are live);
@@ -102,7 +103,7 @@ def worker(model_name: str) -> dict:
     else:
         model, opt, step, inputs = xla_common.build(model_name, device)
     compiled = torch.compile(step, backend="donate_xla")
-    for _ in range(3):
+    for _ in range(4):
         compiled(*inputs)
         torch_xla.sync()
         xm.wait_device_ops()
