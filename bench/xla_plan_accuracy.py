@@ -16,10 +16,11 @@ On XLA:CPU the compiler runs in the same process, so RSS also holds what XLA
 uses while it compiles. On an accelerator that is host memory, not device
 memory, and the plan does not predict it: samples taken while XLA compiles
 (torch_xla's ``CompileTime`` intervals, 3 ms either side) are left out of the
-peak, and each step's growth is taken over the trough just before it (the
-executables a compile adds stay in host memory). Only a step that compiles
-again every time is changed by this: the measured steps' compiles are
-counted and the growth with them kept beside it.
+peak, and, where XLA compiled during the measured steps, each step's growth is
+taken over the trough just before it (the executables a compile adds stay in
+host memory, and the trough climbs with them). Only a step that compiles again
+every time is changed by this: the measured steps' compiles are counted and the
+growth with them kept beside it.
 
 Models: the four of bench/xla_common.py (``MODELS``: a 50M-parameter MLP with SGD
 momentum, a 6-layer GPT with AdamW; ``MORE_MODELS``: 8 x (Linear 2048 + GELU) batch 256
@@ -140,12 +141,17 @@ def worker(model_name: str) -> dict:
     thread.join()
     count = compile_count() - compiled_before
     windows = [(end - duration / 1e9 - 0.003, end + 0.003) for end, duration in compiles()[-count:]] if count else []
-    # Per step: its highest sample outside XLA's compiles over the lowest just before it
-    # starts (the executables a compile adds stay in host memory, so the trough creeps up).
+    # Growth: the highest sample outside XLA's compiles over the lowest sample. Where XLA
+    # compiled during the measured steps, the executables it added stay in host memory and
+    # the trough climbs with them (Mixtral: about 12 MiB a step), so each step is measured
+    # from the trough just before it. Not otherwise: a stitched step's memory is not always
+    # released by the time the next one starts, and the lowest sample is the true trough.
+    trough = min(rss for _, rss in samples)
     growth, with_compiles, left_out = 0, 0, 0
     for k, start in enumerate(starts):
         end = starts[k + 1] if k + 1 < len(starts) else float("inf")
-        before = [rss for t, rss in samples if start - 0.01 <= t < start] or [min(rss for _, rss in samples)]
+        before = [rss for t, rss in samples if start - 0.01 <= t < start] if count else []
+        before = before or [trough]
         during = [(t, rss) for t, rss in samples if start <= t < end]
         outside = [rss for t, rss in during if not any(a <= t <= b for a, b in windows)]
         left_out += len(during) - len(outside)
