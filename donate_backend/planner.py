@@ -13,9 +13,10 @@ plan adds what lives across graphs:
   activations (released by its backward) and outputs (held by the caller to
   the end of the step), a backward's gradients.
 
-Graphs run in the order they first ran; graphs that have not run yet go in
-the usual order (forwards, then backwards in reverse, then the rest). The
-plan is a prediction: ``bench/backward_memory.py`` and the tests compare it
+Graphs run in the order of the last step, each as often as it ran in it
+(``report``'s call log: a graph break inside a layer runs one compiled graph
+per layer); graphs that have not run yet go in the usual order (forwards,
+then backwards in reverse, then the rest). The plan is a prediction: ``bench/backward_memory.py`` and the tests compare it
 with measured peaks (docs/memory_plan.md gives the errors).
 """
 from __future__ import annotations
@@ -132,12 +133,28 @@ class MemoryPlan:
 
 
 def _step_order(records: Sequence[report.GraphRecord]) -> List[report.GraphRecord]:
-    # in the order of the last step (a graph compiled again under a memory limit
-    # first ran after the optimizer's graph, but runs before it)
+    """The step's graphs call by call: each as often as it ran in the last step (a graph
+    break inside a layer runs one compiled graph once per layer), in the order they ran
+    (a graph compiled again under a memory limit first ran after the optimizer's graph,
+    but runs before it); then the graphs that have not run yet, in the usual order."""
     ran = sorted((r for r in records if r.first_call is not None), key=lambda r: r.last_call)
     waiting = [r for r in records if r.first_call is None]
     rank = {"forward": 0, "backward": 1, "inference": 2}
     waiting.sort(key=lambda r: (rank.get(r.kind, 3), -r.graph_id if r.kind == "backward" else r.graph_id))
+    if ran:
+        by_key = {report.call_key(r): r for r in ran}
+        entry = report.call_key(ran[0])  # the step's first forward, as it last ran
+        # The step: the calls since the step's last graph ran before (a graph the step runs
+        # more than once may also run before the first forward's call); where that spans
+        # more than one step (an evaluation run every few steps), from the first forward on.
+        calls = report.calls_since_previous(report.call_key(ran[-1]))
+        if calls is None or calls.count(entry) != 1:
+            calls = report.calls_since(ran[0].last_call)
+        if calls is not None:
+            sequence = [by_key[k] for k in calls if k in by_key]
+            # every graph's last call is in the log: else keep one call each
+            if {id(r) for r in sequence} == {id(r) for r in ran}:
+                ran = sequence
     return ran + waiting
 
 
@@ -285,8 +302,7 @@ def memory_plan(
     peak, breakdown = resident_bytes, dict(resident)
     passed = 0  # input gradients a backward returned that an earlier graph's backward takes
     planned = []
-    outputs_of = {r.graph_id: dict(r.memory.end_parts).get(native_memory.OUTPUTS, 0)
-                  for r in native if r.kind == "forward"}
+    outputs_of: Dict[int, int] = {}  # forward graph id -> bytes of its outputs carried so far
     ordered = _step_order(native)
     if as_stitched and path == "xla" and not any(r.backward_segments for r in records):
         ordered = [dataclasses.replace(r, stitched=True) for r in ordered]
@@ -341,6 +357,8 @@ def memory_plan(
             peak, breakdown = graph_peak, at_peak
         for category, nbytes in m.end_parts:
             carried[category] = carried.get(category, 0) + nbytes
+        if r.kind == "forward":
+            outputs_of[r.graph_id] = outputs_of.get(r.graph_id, 0) + dict(m.end_parts).get(native_memory.OUTPUTS, 0)
         carried[native_memory.GRADIENTS] -= consumed
         level = start + m.end_bytes - consumed
         passed += m.passed_grad_bytes

@@ -7,6 +7,7 @@ apply to them and leave the rest at their defaults.
 from __future__ import annotations
 
 import dataclasses
+import collections
 import itertools
 import logging
 import threading
@@ -114,17 +115,48 @@ class GraphRecord:
 _lock = threading.Lock()
 _records: list[GraphRecord] = []
 _calls = itertools.count()
+# Every call, in order: (call number, call_key(record)). A graph can run more than once in
+# a step (a graph break inside a layer: the same compiled graph for every layer), and the
+# memory plan replays the step call by call. Keys, not records: the log keeps nothing alive.
+_call_log: collections.deque = collections.deque(maxlen=1 << 16)
+
+
+def call_key(record: GraphRecord) -> tuple:
+    """What names a graph's record in the call log (copies of a record share it)."""
+    return (record.graph_id, record.kind, record.first_call)
 
 
 def mark_first_call(record: GraphRecord) -> None:
     """Note when ``record``'s graph first ran, among all graphs (the memory plan's order)."""
     if record.first_call is None:
         record.first_call = record.last_call = next(_calls)
+        _call_log.append((record.last_call, call_key(record)))
 
 
 def mark_call(record: GraphRecord) -> None:
     """Note that ``record``'s graph runs now (the plan's step is the graphs of the last one)."""
     record.last_call = next(_calls)
+    _call_log.append((record.last_call, call_key(record)))
+
+
+def calls_since(first: int) -> Optional[list]:
+    """The call log's keys from call number ``first`` on, in order; None if the log no
+    longer reaches back that far."""
+    log = list(_call_log)
+    if not log or log[0][0] > first:
+        return None
+    return [key for number, key in log if number >= first]
+
+
+def calls_since_previous(key: tuple) -> Optional[list]:
+    """The call log's keys after the next-to-last call of ``key`` up to its last one, in
+    order (a step, when ``key`` is the step's last graph); None if the log holds fewer
+    than two calls of it."""
+    log = list(_call_log)
+    at = [i for i, (_, k) in enumerate(log) if k == key]
+    if len(at) < 2:
+        return None
+    return [k for _, k in log[at[-2] + 1: at[-1] + 1]]
 
 
 def add(record: GraphRecord) -> GraphRecord:
@@ -153,6 +185,7 @@ def discard(records) -> None:
 def clear_reports() -> None:
     with _lock:
         _records.clear()
+        _call_log.clear()
 
 
 def _mib(nbytes: int) -> str:

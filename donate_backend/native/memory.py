@@ -305,7 +305,7 @@ def for_build(gm: torch.fx.GraphModule, name: str, kind: str, *, free_saved_on: 
         input_categories=categories,
         saved_outputs_from=forward_returns if kind == "forward" else None,
         reused=reused,
-        passed_outputs=_passed_outputs(graph, kind, input_roles),
+        passed_outputs=passed_outputs(graph, kind, input_roles),
     )
 
 
@@ -350,7 +350,10 @@ def outputs_held(records) -> dict:
     }
 
 
-def _passed_outputs(graph: torch.fx.Graph, kind: str, input_roles: Sequence[str]) -> List[int]:
+def passed_outputs(graph: torch.fx.Graph, kind: str, input_roles: Sequence[str]) -> List[int]:
+    """In a backward, the outputs that are gradients of inputs that are not parameters or
+    state (``input_roles``: the forward's inputs): an earlier graph's backward takes them
+    as its tangents (graph breaks). Empty where the outputs do not line up with the inputs."""
     if kind != "backward" or not input_roles:
         return []
     outputs = graph.output_node().args[0]

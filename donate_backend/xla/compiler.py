@@ -22,6 +22,7 @@ from ..analysis import aliasing, mutation
 from ..builds import BuildsPerSetting
 from . import compat, fallback, host, metrics, segments
 from . import memory as xla_memory
+from ..native import memory as native_memory
 from . import spmd
 from .lower import LoweringRequest, lower
 from .dispatch import PerSignatureExecutable
@@ -321,6 +322,7 @@ def compile_graph(gm, example_inputs, ctx):
         predicted = xla_memory.predict_or_none(
             gm, ctx.name, ctx.kind, donors=lowered.donors if not stitch else (choice.donors if donation else ()),
             forward_returns=user_outputs, kept_inputs=gm.meta.get(fallback.KEPT_INPUTS_META, ()),
+            passed_outputs=native_memory.passed_outputs(gm.graph, ctx.kind, roles),
         )
         phases = planning + (("donors", start - analysed),) + lowered.phases + (
             ("memory prediction", time.perf_counter() - predicted_at),

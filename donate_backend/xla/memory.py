@@ -107,12 +107,15 @@ def predict(
     donors: Sequence[int] = (),
     forward_returns: Optional[int] = None,
     kept_inputs: Sequence[int] = (),
+    passed_outputs: Sequence[int] = (),
 ) -> GraphMemory:
     """The executable's memory (see the module docstring), as a ``GraphMemory`` the
     planner composes like a native graph's. ``donors``: indices of the inputs donated;
     ``forward_returns``: in a forward, how many outputs are the caller's (the rest are
     saved for the backward); ``kept_inputs``: in a backward segment, the inputs that
-    outlive it (a later segment reads them), which it does not release."""
+    outlive it (a later segment reads them), which it does not release;
+    ``passed_outputs``: in a backward, the outputs an earlier graph's backward takes as
+    its tangents (``native.memory.passed_outputs``), counted in ``passed_grad_bytes``."""
     placeholders = list(graph.find_nodes(op="placeholder"))
     donated = {placeholders[i] for i in donors if i < len(placeholders)}
     written = _writebacks(graph)
@@ -131,6 +134,7 @@ def predict(
     out_parts: Dict[str, int] = {}
     returned: Set[torch.fx.Node] = set()
     largest = 0
+    passed_bytes = 0
     for index, value in enumerate(out_args):
         if not isinstance(value, torch.fx.Node) or value in returned:
             continue
@@ -140,6 +144,8 @@ def predict(
         size = _bytes(value)
         largest = max(largest, size)
         out_parts[category(index)] = out_parts.get(category(index), 0) + size
+        if kind == "backward" and index in passed_outputs:
+            passed_bytes += size
     writeback_bytes = 0
     for value, target in written.items():
         if target not in donated and value.op != "placeholder":
@@ -225,6 +231,7 @@ def predict(
         peak_node=peak_node,
         released_input_bytes=released,
         tangent_bytes=tangent_bytes,
+        passed_grad_bytes=passed_bytes,
         tangent_indices=tuple(i for i, n in enumerate(placeholders) if n.name.startswith("tangents")),
         largest_output_bytes=largest,
     )
