@@ -118,7 +118,7 @@ _calls = itertools.count()
 # Every call, in order: (call number, call_key(record)). A graph can run more than once in
 # a step (a graph break inside a layer: the same compiled graph for every layer), and the
 # memory plan replays the step call by call. Keys, not records: the log keeps nothing alive.
-_call_log: collections.deque = collections.deque(maxlen=1 << 16)
+_call_log: collections.deque = collections.deque(maxlen=1 << 13)
 
 
 def call_key(record: GraphRecord) -> tuple:

@@ -109,7 +109,7 @@ def test_values_with_graph_breaks_in_every_layer_equal_eager(xla_device):
 
 
 def test_without_the_call_log_each_graph_is_planned_once():
-    """The log keeps the last 65536 calls: a step older than that is planned one call per
+    """The log keeps the last 8192 calls: a step older than that is planned one call per
     graph, as when each graph runs once."""
     _train(torch.device("cpu"), 3)
     repeated = donate_backend.memory_plan()
