@@ -16,8 +16,9 @@ plan adds what lives across graphs:
 Graphs run in the order of the last step, each as often as it ran in it
 (``report``'s call log: a graph break inside a layer runs one compiled graph
 per layer); graphs that have not run yet go in the usual order (forwards,
-then backwards in reverse, then the rest). The plan is a prediction: ``bench/backward_memory.py`` and the tests compare it
-with measured peaks (docs/memory_plan.md gives the errors).
+then backwards in reverse, then the rest). The plan is a prediction:
+``bench/backward_memory.py`` and the tests compare it with measured peaks
+(docs/memory_plan.md gives the errors).
 """
 from __future__ import annotations
 
@@ -143,19 +144,25 @@ def _step_order(records: Sequence[report.GraphRecord]) -> List[report.GraphRecor
     waiting.sort(key=lambda r: (rank.get(r.kind, 3), -r.graph_id if r.kind == "backward" else r.graph_id))
     if ran:
         by_key = {report.call_key(r): r for r in ran}
-        entry = report.call_key(ran[0])  # the step's first forward, as it last ran
-        # The step: the calls since the step's last graph ran before (a graph the step runs
-        # more than once may also run before the first forward's call); where that spans
-        # more than one step (an evaluation run every few steps), from the first forward on.
-        calls = report.calls_since_previous(report.call_key(ran[-1]))
-        if calls is None or calls.count(entry) != 1:
-            calls = report.calls_since(ran[0].last_call)
-        if calls is not None:
-            sequence = [by_key[k] for k in calls if k in by_key]
-            # every graph's last call is in the log: else keep one call each
-            if {id(r) for r in sequence} == {id(r) for r in ran}:
-                ran = sequence
+        sequence = [by_key[k] for k in _last_step_calls(report.calls(), ran) if k in by_key]
+        # every graph's last call is in the log: else keep one call each
+        if {id(r) for r in sequence} == {id(r) for r in ran}:
+            ran = sequence
     return ran + waiting
+
+
+def _last_step_calls(log: list, ran: Sequence[report.GraphRecord]) -> list:
+    """The keys of the last step's calls in ``report.calls()``: those since the step's last
+    graph ran before (a graph the step runs more than once may also run before the first
+    forward's call); where that window holds more or fewer than one call of the first
+    forward (an evaluation run every few steps), those since the first forward's call."""
+    last, entry = report.call_key(ran[-1]), report.call_key(ran[0])
+    at = [i for i, (_, key) in enumerate(log) if key == last]
+    if len(at) >= 2:
+        window = [key for _, key in log[at[-2] + 1: at[-1] + 1]]
+        if window.count(entry) == 1:
+            return window
+    return [key for number, key in log if number >= ran[0].last_call]
 
 
 def last_step(records: List[report.GraphRecord], graph_id: Optional[int] = None) -> List[report.GraphRecord]:

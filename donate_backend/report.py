@@ -6,8 +6,8 @@ apply to them and leave the rest at their defaults.
 """
 from __future__ import annotations
 
-import dataclasses
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
@@ -139,24 +139,9 @@ def mark_call(record: GraphRecord) -> None:
     _call_log.append((record.last_call, call_key(record)))
 
 
-def calls_since(first: int) -> Optional[list]:
-    """The call log's keys from call number ``first`` on, in order; None if the log no
-    longer reaches back that far."""
-    log = list(_call_log)
-    if not log or log[0][0] > first:
-        return None
-    return [key for number, key in log if number >= first]
-
-
-def calls_since_previous(key: tuple) -> Optional[list]:
-    """The call log's keys after the next-to-last call of ``key`` up to its last one, in
-    order (a step, when ``key`` is the step's last graph); None if the log holds fewer
-    than two calls of it."""
-    log = list(_call_log)
-    at = [i for i, (_, k) in enumerate(log) if k == key]
-    if len(at) < 2:
-        return None
-    return [k for _, k in log[at[-2] + 1: at[-1] + 1]]
+def calls() -> list:
+    """The call log, oldest first: (call number, ``call_key``) of the last 8192 calls."""
+    return list(_call_log)
 
 
 def add(record: GraphRecord) -> GraphRecord:

@@ -20,9 +20,9 @@ import torch_xla
 from .. import budget, config, report, torch_compat
 from ..analysis import aliasing, mutation
 from ..builds import BuildsPerSetting
+from ..native import memory as native_memory
 from . import compat, fallback, host, metrics, segments
 from . import memory as xla_memory
-from ..native import memory as native_memory
 from . import spmd
 from .lower import LoweringRequest, lower
 from .dispatch import PerSignatureExecutable
