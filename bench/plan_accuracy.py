@@ -1,8 +1,10 @@
 """Native path: the memory plan's predicted step growth against the measured one.
 
 For each model (the three of ``bench/backward_memory.py`` and the real models of
-``tests/real_models.py``) and executor: compile with donate_xla, run one
-forward+backward (compiles), then predict the growth of the next one with
+``tests/real_models.py``) and executor: compile with donate_xla, run two
+forward+backwards (the first compiles; in the second dynamo compiles again, with
+symbolic sizes, a graph that met a second size, as a mixture of experts' expert
+does), then predict the growth of the next one with
 ``donate_backend.memory_plan()`` and measure it (gradients set to None first,
 peak above the level before the forward): CPU, the profiler's memory events
 (every c10 allocation, kernel workspaces included) and the storage tracker of
@@ -110,8 +112,9 @@ def measure(entry, executor: str, device: str, meta: bool = False) -> dict:
     with config.patch(native_compiler=executor):
         run = torch.compile(model, backend="donate_xla")
         step = entry.step(model, run, device)
-        step()  # compiles
-        model.zero_grad(set_to_none=True)
+        for _ in range(2):  # compiles (the second: graphs that met a second size)
+            step()
+            model.zero_grad(set_to_none=True)
         gc.collect()
         plan = donate_backend.memory_plan()
         result = dict(predicted=plan.growth_bytes, graphs=len(plan.graphs))

@@ -137,32 +137,76 @@ def _step_order(records: Sequence[report.GraphRecord]) -> List[report.GraphRecor
     """The step's graphs call by call: each as often as it ran in the last step (a graph
     break inside a layer runs one compiled graph once per layer), in the order they ran
     (a graph compiled again under a memory limit first ran after the optimizer's graph,
-    but runs before it); then the graphs that have not run yet, in the usual order."""
+    but runs before it); then the graphs that have not run yet, in the usual order.
+
+    A graph that ran only before the last step is left out: dynamo compiled it for the
+    first step and then replaced it (a graph recompiled with dynamic sizes once a second
+    size came), or it ran once (an optimizer's first step, which makes its state)."""
     ran = sorted((r for r in records if r.first_call is not None), key=lambda r: r.last_call)
     waiting = [r for r in records if r.first_call is None]
     rank = {"forward": 0, "backward": 1, "inference": 2}
     waiting.sort(key=lambda r: (rank.get(r.kind, 3), -r.graph_id if r.kind == "backward" else r.graph_id))
     if ran:
         by_key = {report.call_key(r): r for r in ran}
-        sequence = [by_key[k] for k in _last_step_calls(report.calls(), ran) if k in by_key]
-        # every graph's last call is in the log: else keep one call each
-        if {id(r) for r in sequence} == {id(r) for r in ran}:
-            ran = sequence
+        calls = [(number, by_key[key], sizes)
+                 for number, key, sizes in _last_step_calls(report.calls(), ran) if key in by_key]
+        if calls:
+            since = calls[0][0]
+            # every graph that ran since the step began is in the log: else keep one call each
+            if {id(r) for _, r, _ in calls} == {id(r) for r in ran if r.last_call >= since}:
+                ran = [_at_sizes(r, sizes) for _, r, sizes in calls]
     return ran + waiting
 
 
+def _at_sizes(record: report.GraphRecord, sizes: Optional[tuple]) -> report.GraphRecord:
+    """``record`` for one call of its graph: a graph with symbolic sizes (dynamic shapes)
+    replayed at the sizes of that call (a copy of the record), else the record itself."""
+    method = record.memory_at_sizes() if record.memory_at_sizes is not None and sizes is not None else None
+    memory = method(sizes) if method is not None else None
+    if memory is None or memory is record.memory:
+        return record
+    # the tangents its first call got (and what it returned that was dropped) were at
+    # that call's sizes: scaled to these
+    tangents, passed, dropped = record.tangent_bytes, record.tangents_passed_bytes, record.outputs_dropped
+    if record.memory is not None and record.memory.tangent_bytes:
+        scale = memory.tangent_bytes / record.memory.tangent_bytes
+        tangents, passed, dropped = (None if v is None else round(v * scale) for v in (tangents, passed, dropped))
+    return dataclasses.replace(record, memory=memory, tangent_bytes=tangents, tangents_passed_bytes=passed,
+                               outputs_dropped=dropped)
+
+
 def _last_step_calls(log: list, ran: Sequence[report.GraphRecord]) -> list:
-    """The keys of the last step's calls in ``report.calls()``: those since the step's last
-    graph ran before (a graph the step runs more than once may also run before the first
-    forward's call); where that window holds more or fewer than one call of the first
-    forward (an evaluation run every few steps), those since the first forward's call."""
-    last, entry = report.call_key(ran[-1]), report.call_key(ran[0])
-    at = [i for i, (_, key) in enumerate(log) if key == last]
-    if len(at) >= 2:
-        window = [key for _, key in log[at[-2] + 1: at[-1] + 1]]
-        if window.count(entry) == 1:
-            return window
-    return [key for number, key in log if number >= ran[0].last_call]
+    """The last step's calls in ``report.calls()`` (``(call number, key, sizes)``).
+
+    Those since the step's last graph ran in the step before (a graph the step runs more
+    than once may also run before the step's first forward), if the first forward among
+    them runs once there. Else (the last graph did not run in the step before: dynamo
+    compiled it again; an evaluation run every few steps; a forward that runs more than
+    once) the last forward pass and what ran after it, with the graphs run just before
+    it that are not the ones run after the backward (the step before's optimizer)."""
+    last = report.call_key(ran[-1])
+    at = [i for i, (_, key, _) in enumerate(log) if key == last]
+    if at:
+        block = at[-1]  # the last graph's final calls, run one after another
+        while block > 0 and log[block - 1][1] == last:
+            block -= 1
+        before = [i for i in at if i < block]
+        if before:
+            window = log[before[-1] + 1: at[-1] + 1]
+            forwards = [key for _, key, _ in window if key[1] == "forward"]
+            if forwards and forwards.count(forwards[0]) == 1:
+                return window
+    kinds = [key[1] for _, key, _ in log]
+    if "forward" not in kinds:
+        return [entry for entry in log if entry[0] >= ran[0].last_call]
+    start = len(kinds) - 1 - kinds[::-1].index("forward")
+    while start > 0 and kinds[start - 1] != "backward":
+        start -= 1
+    after = len(kinds) - kinds[::-1].index("backward") if "backward" in kinds[start:] else len(kinds)
+    tail = {key for _, key, _ in log[after:]}
+    while kinds[start] != "forward" and log[start][1] in tail:
+        start += 1
+    return log[start:]
 
 
 def last_step(records: List[report.GraphRecord], graph_id: Optional[int] = None) -> List[report.GraphRecord]:
@@ -291,9 +335,10 @@ def memory_plan(
     # that graph's output (logits read by a loss compiled separately), not resident.
     # (Optimizer state a first step's graph returned is resident all the same.)
     returned = set().union(*(r.returned for r in native))
+    ordered = _step_order(native)
     seen: set = set()
     resident: Dict[str, int] = {c: 0 for c in CATEGORIES}
-    for r in native:
+    for r in {id(r): r for r in ordered}.values():
         for role, storage, nbytes in r.held_inputs:
             category = _ROLE_CATEGORY.get(role)
             if category is None or storage in seen or (role == "other" and storage in returned):
@@ -308,9 +353,9 @@ def memory_plan(
     level = resident_bytes
     peak, breakdown = resident_bytes, dict(resident)
     passed = 0  # input gradients a backward returned that an earlier graph's backward takes
+    returned_dropped = 0  # what the last backward returned that is dropped before the next one runs
     planned = []
     outputs_of: Dict[int, int] = {}  # forward graph id -> bytes of its outputs carried so far
-    ordered = _step_order(native)
     if as_stitched and path == "xla" and not any(r.backward_segments for r in records):
         ordered = [dataclasses.replace(r, stitched=True) for r in ordered]
     consumers = _gradient_consumers(ordered)
@@ -325,6 +370,13 @@ def memory_plan(
                     outputs_of[graph_id] -= dropped
                     carried[native_memory.OUTPUTS] -= dropped
                     level -= dropped
+        if m.kind == "backward" and returned_dropped:
+            # What the last backward returned that code run eagerly consumed and dropped
+            # before this one ran (a mixture of experts' routing between graph breaks)
+            carried[native_memory.GRADIENTS] -= returned_dropped
+            passed = max(0, passed - returned_dropped)
+            level -= returned_dropped
+            returned_dropped = 0
         if m.kind == "backward":
             # Its tangents exist before it runs: taken from what a later backward passed
             # on, the rest made by the caller (the loss's ones, zeros for outputs that got
@@ -369,6 +421,8 @@ def memory_plan(
         carried[native_memory.GRADIENTS] -= consumed
         level = start + m.end_bytes - consumed
         passed += m.passed_grad_bytes
+        if m.kind == "backward":
+            returned_dropped = r.outputs_dropped or 0
         planned.append(PlannedGraph(r.name, start, graph_peak, level, tuple(at_peak.items())))
     # (a backward split into segments is planned through its segments' records)
     unplanned = [r.name for r in records

@@ -102,6 +102,15 @@ class GraphRecord:
     # torch_xla.sync() that followed it (kept past it, a stitched step holds them all);
     # None until a sync ran after it
     gradients_at_sync: Optional[int] = None
+    # native graph with symbolic sizes: sizes (the ints its call log entries carry) -> its
+    # allocations replayed at those sizes (``memory`` is at the sizes it was traced with);
+    # a weak reference to the compiled graph's method, None where the graph has none
+    memory_at_sizes: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # native backward: bytes of what a call returned that were dropped by the time the next
+    # backward ran (input gradients that code run eagerly between graph breaks consumed: a
+    # mixture of experts' routing); None until a backward ran right after it
+    # (``native.memory.DroppedOutputs``)
+    outputs_dropped: Optional[int] = None
 
     @property
     def name(self) -> str:
@@ -115,9 +124,11 @@ class GraphRecord:
 _lock = threading.Lock()
 _records: list[GraphRecord] = []
 _calls = itertools.count()
-# Every call, in order: (call number, call_key(record)). A graph can run more than once in
-# a step (a graph break inside a layer: the same compiled graph for every layer), and the
-# memory plan replays the step call by call. Keys, not records: the log keeps nothing alive.
+# Every call, in order: (call number, call_key(record), sizes). A graph can run more than
+# once in a step (a graph break inside a layer: the same compiled graph for every layer), and
+# the memory plan replays the step call by call. Keys, not records: the log keeps nothing
+# alive. ``sizes``: the values of a graph's symbolic sizes in that call (a graph compiled with
+# dynamic shapes, such as a mixture of experts' expert for the tokens routed to it), else None.
 _call_log: collections.deque = collections.deque(maxlen=1 << 13)
 
 
@@ -126,21 +137,22 @@ def call_key(record: GraphRecord) -> tuple:
     return (record.graph_id, record.kind, record.first_call)
 
 
-def mark_first_call(record: GraphRecord) -> None:
+def mark_first_call(record: GraphRecord, sizes: Optional[tuple] = None) -> None:
     """Note when ``record``'s graph first ran, among all graphs (the memory plan's order)."""
     if record.first_call is None:
         record.first_call = record.last_call = next(_calls)
-        _call_log.append((record.last_call, call_key(record)))
+        _call_log.append((record.last_call, call_key(record), sizes))
 
 
-def mark_call(record: GraphRecord) -> None:
-    """Note that ``record``'s graph runs now (the plan's step is the graphs of the last one)."""
+def mark_call(record: GraphRecord, sizes: Optional[tuple] = None) -> None:
+    """Note that ``record``'s graph runs now (the plan's step is the graphs of the last one),
+    and ``sizes``, the values of its symbolic sizes in this call."""
     record.last_call = next(_calls)
-    _call_log.append((record.last_call, call_key(record)))
+    _call_log.append((record.last_call, call_key(record), sizes))
 
 
 def calls() -> list:
-    """The call log, oldest first: (call number, ``call_key``) of the last 8192 calls."""
+    """The call log, oldest first: (call number, ``call_key``, sizes) of the last 8192 calls."""
     return list(_call_log)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from typing import Optional
 
 import torch
@@ -81,6 +82,11 @@ class CompiledGraph:
             phases=budget.plan_phase(gm),
         )
         self.record.compile_seconds = sum(s for _, s in self.record.phases)
+        # a graph with symbolic sizes: where each call's arguments give them (the memory
+        # plan replays a call at its own sizes: ``memory_at_sizes``)
+        self._size_sources = memory.size_sources(gm.graph)
+        if self._size_sources:
+            self.record.memory_at_sizes = weakref.WeakMethod(self.memory_at_sizes)
         self._builds = builds.BuildsPerSetting(self._build)
         self._current: Optional[executor.Built] = None
         self._current_build()  # for the settings in force: built now, inside aot_autograd
@@ -114,19 +120,36 @@ class CompiledGraph:
         return self.built.source
 
     def __call__(self, args: list):
+        sizes = memory.sizes_of(args, self._size_sources) if self._size_sources else None
+        memory.dropped_outputs.next_call(self.ctx.kind)
         if self.record.first_call is None:
-            return self._first_call(args)
-        report.mark_call(self.record)
-        return self.built.run(args)
+            result = self._first_call(args, sizes)
+        else:
+            report.mark_call(self.record, sizes)
+            result = self.built.run(args)
+        if self.ctx.kind == "backward":
+            memory.dropped_outputs.returned(self.record, result)
+        return result
 
-    def _first_call(self, args: list):
+    def memory_at_sizes(self, sizes: tuple):
+        """The current build's allocations replayed with the graph's symbolic sizes at
+        ``sizes`` (the ints a call gave them, ``memory.sizes_of``); None where the replay
+        fails. Kept per build and sizes."""
+        built = self.built
+        if sizes not in built.memory_at_sizes:
+            binding = {symbol: value for (_, _, symbol), value in zip(self._size_sources, sizes)}
+            with compat.sizes_bound(binding):
+                built.memory_at_sizes[sizes] = built.predict() if built.predict is not None else None
+        return built.memory_at_sizes[sizes]
+
+    def _first_call(self, args: list, sizes: Optional[tuple] = None):
         """Run the graph for the first time, noting what the memory plan cannot know from
         the graph alone: when it first ran among all graphs; the storages it returns (a
         forward's to the caller, a backward's gradients); for a backward, the bytes of the
         tangents it was given, how many of them an earlier backward returned (graph
         breaks: a later graph's input gradients), and how many bytes of each forward's
         outputs the caller still holds."""
-        report.mark_first_call(self.record)
+        report.mark_first_call(self.record, sizes)
         predicted = self.record.memory
         if self.ctx.kind == "backward" and predicted is not None:
             self.record.tangent_bytes = memory.tangent_bytes_of(args, predicted.tangent_indices)
@@ -163,6 +186,8 @@ class CompiledGraph:
         built.bucket_bytes = prepared.bucket_bytes
         predicted_at = time.perf_counter()
         built.memory = self._predict_memory(prepared.gm, settings)
+        if self._size_sources:
+            built.predict = lambda: self._predict_memory(prepared.gm, settings)
         finished = time.perf_counter()
         self.record.compile_seconds += finished - started
         self.record.phases = _added(

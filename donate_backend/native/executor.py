@@ -41,6 +41,9 @@ class Built:
     bucket_grads: Optional[int] = None  # gradients written into DDP buckets (ddp.prepare)
     bucket_bytes: Optional[int] = None
     memory: object = None  # its allocations replayed on fake tensors (``memory.GraphMemory``)
+    # a graph with symbolic sizes: the replay again (``compiled.CompiledGraph.memory_at_sizes``)
+    predict: Optional[Callable] = None
+    memory_at_sizes: dict = dataclasses.field(default_factory=dict)
 
 
 def build(gm, example_inputs, ctx, settings: config.Settings, donated_indices) -> Built:

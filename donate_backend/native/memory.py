@@ -315,6 +315,36 @@ def tangent_bytes_of(args: Sequence, indices: Sequence[int]) -> int:
     return sum(size for _, size in storage_refs([args[i] for i in indices if i < len(args)]))
 
 
+def size_sources(graph: torch.fx.Graph) -> Tuple[Tuple[int, Optional[int], object], ...]:
+    """Where a call's arguments give each symbol of the graph's symbolic sizes:
+    ``(argument index, dimension or None for an int argument, sympy symbol)``, one per
+    symbol (empty for a graph with static sizes)."""
+    out, seen = [], set()
+    for index, node in enumerate(graph.find_nodes(op="placeholder")):
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt):
+            places = [(None, val)]
+        elif isinstance(val, torch.Tensor):
+            places = list(enumerate(val.shape))
+        else:
+            continue
+        for dim, size in places:
+            expr = getattr(getattr(size, "node", None), "expr", None) if isinstance(size, torch.SymInt) else None
+            if expr is not None and expr.is_Symbol and expr not in seen:
+                seen.add(expr)
+                out.append((index, dim, expr))
+    return tuple(out)
+
+
+def sizes_of(args: Sequence, sources: Sequence[tuple]) -> Optional[tuple]:
+    """The ints a call's ``args`` give the symbols of ``sources`` (``size_sources``);
+    None where an argument is not what the graph was traced with."""
+    try:
+        return tuple(int(args[i]) if dim is None else int(args[i].shape[dim]) for i, dim, _ in sources)
+    except (IndexError, TypeError, AttributeError, ValueError):
+        return None
+
+
 def storage_refs(values: Sequence) -> tuple:
     """``(weak reference, bytes)`` of the distinct storages behind ``values``' tensors."""
     refs, seen = [], set()
@@ -338,6 +368,32 @@ def passed_tangent_bytes(args: Sequence, indices: Sequence[int], earlier: Sequen
 def held_bytes(refs: tuple) -> int:
     """Bytes of the storages in ``refs`` (``storage_refs``) that are still alive."""
     return sum(size for ref, size in refs if not ref.expired())
+
+
+class DroppedOutputs:
+    """Watches what a backward returned until the next graph runs: if that is a backward
+    (the same backward pass), the bytes of the outputs dropped in between are noted in
+    the first one's record (``GraphRecord.outputs_dropped``); each backward is watched
+    until that is known. Nothing is held but weak references."""
+
+    def __init__(self) -> None:
+        self._record = None  # the backward whose last call's outputs are watched
+
+    def returned(self, record, outputs: Sequence) -> None:
+        """``record``'s backward returned ``outputs`` (call after it ran)."""
+        if record.outputs_dropped is None:
+            record.output_storages = storage_refs(outputs)
+            self._record = record
+
+    def next_call(self, kind: str) -> None:
+        """A graph of ``kind`` starts (call before it runs)."""
+        record, self._record = self._record, None
+        if record is not None and kind == "backward" and record.output_storages is not None:
+            record.outputs_dropped = sum(size for _, size in record.output_storages) - held_bytes(
+                record.output_storages)
+
+
+dropped_outputs = DroppedOutputs()
 
 
 def outputs_held(records) -> dict:
