@@ -29,9 +29,10 @@ def _growth(step, model) -> int:
     return profiler_peak_bytes(step)
 
 
-def _predicted_and_measured(model, step):
-    step()  # compiles
-    model.zero_grad(set_to_none=True)
+def _predicted_and_measured(model, step, warmups: int = 1):
+    for _ in range(warmups):  # the first compiles
+        step()
+        model.zero_grad(set_to_none=True)
     plan = donate_backend.memory_plan()
     return plan, _growth(step, model)
 
@@ -86,21 +87,22 @@ def test_plan_of_an_mlp_step_matches_the_measured_growth(executor):
     assert [g.name.split()[-1] for g in plan.graphs] == ["forward", "backward"]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "t5", "resnet18", "vit"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5", "mixtral", "resnet18", "vit"])
 def test_plan_of_a_real_model_matches_the_measured_growth(name):
     """HF models hold their outputs through the backward and make zero tangents for outputs
     that get no gradient (their caches, logits); t5 and gpt2 break into several graphs;
     resnet18's and ViT's convolutions use oneDNN workspaces (3.3x ViT's tensors). Mixtral
-    (28 graphs) is not here: on torch 2.15, after another HF model in the same process, its
-    plan was 0.60x the measured growth (alone +5%), which is not understood yet;
-    bench/plan_accuracy.py reports it."""
+    breaks its graph in every layer and around its expert loop: the expert's graph runs once
+    per expert, each time for the tokens routed to it, and dynamo compiles it again with
+    symbolic sizes in the second step (so two steps run before the plan)."""
     if not available(name):
         pytest.skip(f"{MODELS[name].package} is not installed")
     spec = MODELS[name]
     model = spec.build()
     run = torch.compile(model, backend="donate_xla")
     batch = spec.batch(100)
-    plan, measured = _predicted_and_measured(model, lambda: spec.loss(run, batch).backward())
+    plan, measured = _predicted_and_measured(model, lambda: spec.loss(run, batch).backward(),
+                                             warmups=2 if name == "mixtral" else 1)
     without = donate_backend.memory_plan(workspaces=False)
     print(f"\n{name}: predicted {plan.growth_bytes / 2**20:.3f} MiB (no workspaces "
           f"{without.growth_bytes / 2**20:.3f}), measured {measured / 2**20:.3f} MiB")
