@@ -45,6 +45,10 @@ class Settings:
     # DONATE_XLA_MEMORY_LIMIT: bytes (or "12GiB", "500MB") a step may use; the native path
     # picks the least activation recomputation that fits, or refuses the graph before it runs
     memory_limit: Optional[int] = None
+    # DONATE_XLA_OFFLOAD_SAVED: native path, torch's own activation offloading (its
+    # partitioner copies the activations the backward needs to host memory after their last
+    # forward use, and back before their first backward use); needs a torch that has it
+    offload_saved: bool = False
 
     def __post_init__(self) -> None:
         if self.native_compiler not in _NATIVE_COMPILERS:
@@ -132,6 +136,7 @@ def settings_from_env(environ: Mapping[str, str]) -> Settings:
         ("debug", "DONATE_XLA_DEBUG"),
         ("stitch", "DONATE_XLA_STITCH"),
         ("order_recompute", "DONATE_XLA_ORDER_RECOMPUTE"),
+        ("offload_saved", "DONATE_XLA_OFFLOAD_SAVED"),
     ):
         if var in environ:
             kwargs[field] = _parse_bool(var, environ[var])

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from donate_backend.ddp import parameters
 
-from ddp_harness import run_job, run_jobs, train
+from ddp_harness import run_job, train
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
@@ -236,11 +236,21 @@ def test_switch_off_from_the_start_keeps_ddp_path():
         assert all(n in (None, 0) for n in result["bucket_grads"])
 
 
-@pytest.mark.parametrize("compile_options", [{"activation_budget": 0.3}, {"memory_limit": "1GiB"}])
+def _offloading() -> bool:
+    from donate_backend.native import compat
+
+    return compat.activation_offloading(on_cuda=False) is not None
+
+
+@pytest.mark.parametrize("compile_options", [
+    {"activation_budget": 0.3}, {"memory_limit": "1GiB"},
+    pytest.param({"offload_saved": True}, marks=pytest.mark.skipif(
+        not _offloading(), reason=f"torch {torch.__version__} has no activation offloading")),
+])
 def test_memory_levers_keep_bucket_writes_and_eager_ddp_values(compile_options):
-    """The activation budget (recomputation in the backward) and a memory limit, given as
-    options of the compiled DDP module: gradients still go straight into the buckets and
-    every rank equals eager DDP."""
+    """The activation budget (recomputation in the backward), a memory limit and torch's
+    activation offloading, given as options of the compiled DDP module: gradients still go
+    straight into the buckets and every rank equals eager DDP."""
     results = run_job(dict(name="levers", program=train(3), options={"compile_options": compile_options}))
     assert_equal_and_aliased(results, steady_writes=8, steady_out=4)
 

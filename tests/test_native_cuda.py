@@ -155,6 +155,42 @@ def test_freeing_backward_peaks_no_higher_than_the_same_graphs_on_cuda(executor)
 
 
 @pytest.mark.parametrize("executor", ["aten", "inductor"])
+def test_offloaded_activations_leave_the_device_between_forward_and_backward_on_cuda(executor):
+    """``offload_saved`` (torch's activation offloading): after the forward, the device holds
+    at most half of what it holds without offloading (the saved activations are in host
+    memory), the whole step peaks no higher, and the gradients equal eager's."""
+    from donate_backend.native import compat
+
+    if compat.activation_offloading(on_cuda=True) is None:
+        pytest.skip(f"torch {torch.__version__} has no activation offloading")
+    torch.manual_seed(0)
+    eager = _mlp(2048, 8).to(CUDA)
+    x = torch.randn(512, 2048, device=CUDA)
+    _, expected = _peak_and_grads(eager, eager, x)
+    held, peaks = {}, {}
+    for offload in (False, True):
+        torch._dynamo.reset()
+        ours = copy.deepcopy(eager)
+        with config.patch(native_compiler=executor, offload_saved=offload):
+            run = torch.compile(ours, backend="donate_xla")
+            peaks[offload], got = _peak_and_grads(ours, run, x)
+            ours.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            loss = run(x).square().mean()
+            torch.cuda.synchronize()
+            held[offload] = torch.cuda.memory_allocated() - before
+            loss.backward()
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+    print(f"\nMLP 8 x 2048, batch 512 [{executor}, cuda]: after the forward "
+          f"{held[False] / MIB:.1f} -> {held[True] / MIB:.1f} MiB with offloading; step peak "
+          f"{peaks[False] / MIB:.1f} -> {peaks[True] / MIB:.1f} MiB")
+    assert held[True] <= 0.5 * held[False]
+    assert peaks[True] <= peaks[False]
+
+
+@pytest.mark.parametrize("executor", ["aten", "inductor"])
 def test_retain_graph_inputs_and_hooks_match_eager_on_cuda(executor):
     """Two backwards through one retained graph (gradients accumulate; the reusing backward
     must not run while the graph is kept), a gradient hook, then ``backward(inputs=)``

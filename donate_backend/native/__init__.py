@@ -13,6 +13,7 @@ Stages (one module each):
 - ``free_saved``: boxed code that frees each saved tensor and tangent at its
   last use;
 - ``reuse``: pointwise ops write into buffers that die at them;
+- ``offload``: torch's activation offloading in the partitioner (``offload_saved``);
 - ``executor``: ATen (generated Python) or Inductor;
 - ``compiled``: the callable aot_autograd gets; rebuilds when a switch changes;
 - ``compat``: guards around private torch APIs.
@@ -46,11 +47,20 @@ def aot_options() -> dict:
         options = compat.aten_aot_options()
     if "partition_fn" in options:
         options["partition_fn"] = functools.partial(budget.partition, options["partition_fn"], fit=True)
+        if config.current().offload_saved:  # torch's own activation offloading (``offload``)
+            from .offload import partition_offloading
+
+            options["partition_fn"] = partition_offloading(options["partition_fn"])
     return options
 
 
 def check_dynamo_graph(gm, example_inputs, graph_id: int) -> None:
-    """Nothing to refuse up front: aot_autograd handles aliased inputs correctly here."""
+    """Nothing to refuse up front (aot_autograd handles aliased inputs correctly here) but
+    ``offload_saved`` on a torch that cannot offload activations."""
+    if config.current().offload_saved:
+        from .offload import check_available
+
+        check_available(graph_id)
 
 
 def prepare_dynamo_graph(gm) -> None:

@@ -32,6 +32,13 @@ directly. Every guard has a test that removes the API by monkeypatching
   assumes the compiled code always overwrites them). Our backward decides
   per call (``free_saved``), so after reading the list we empty it in the
   metadata, which turns that check off for this graph only.
+- ``activation_offloading(on_cuda)``: a context manager that turns on torch's
+  own activation offloading in its min-cut partitioner
+  (``torch._functorch.config.enable_activation_offloading`` and the module
+  ``torch._functorch._activation_offloading``: torch 2.15 has them, torch 2.9
+  does not); on CUDA with its separate copy stream, its waits sunk and its
+  reloads prefetched, where those settings exist. ``None`` when this torch has
+  no activation offloading.
 - ``as_boxed(fn)``: a function marked with ``_boxed_call``. In torch 2.13,
   ``GraphModule._boxed_call`` is read-only, so we never set it on a module;
   we always mark a plain function we own.
@@ -312,6 +319,26 @@ def _evaluated(expr, binding: dict) -> Optional[int]:
         return int(value) if value.is_number else None
     except (TypeError, ValueError, AttributeError):
         return None
+
+
+def activation_offloading(on_cuda: bool):
+    """See above."""
+    import importlib
+
+    try:
+        importlib.import_module("torch._functorch._activation_offloading.activation_offloading")
+        from torch._functorch import config as functorch_config
+    except ImportError:
+        return None
+    if not hasattr(functorch_config, "enable_activation_offloading"):
+        return None
+    changes = {"enable_activation_offloading": True}
+    if on_cuda:
+        for name in ("activation_offload_separate_stream", "activation_offload_sink_wait",
+                     "activation_reload_prefetch"):
+            if hasattr(functorch_config, name):
+                changes[name] = True
+    return functorch_config.patch(**changes)
 
 
 def inductor_config_patch(**changes):
