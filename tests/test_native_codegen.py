@@ -11,6 +11,7 @@ import donate_backend
 from donate_backend.analysis import liveness
 from donate_backend.native import codegen
 from donate_backend.native.compiled import CompiledGraph
+from instances import instances_of
 
 
 def observe(value):
@@ -67,18 +68,10 @@ def tiny_backward_source():
     donate_backend.clear_reports()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
-    compiled_graphs = []
-    real_init = CompiledGraph.__init__
-
-    def spy(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        compiled_graphs.append(self)
-
-    CompiledGraph.__init__ = spy
     try:
-        torch.compile(model, backend="donate_xla")(torch.randn(2, 4)).sum().backward()
+        with instances_of(CompiledGraph) as compiled_graphs:
+            torch.compile(model, backend="donate_xla")(torch.randn(2, 4)).sum().backward()
     finally:
-        CompiledGraph.__init__ = real_init
         torch._dynamo.reset()
     (backward,) = [g for g in compiled_graphs if g.ctx.kind == "backward"]
     return _normalise(backward.source)

@@ -17,6 +17,7 @@ import torch
 import donate_backend
 from donate_backend import config
 from donate_backend.native.compiled import CompiledGraph
+from instances import instances_of
 from programs import (
     checkpointed_program,
     grad_scaler_program,
@@ -75,21 +76,14 @@ def test_no_graph_is_ever_deep_copied(monkeypatch):
         _assert_close(_grads(model, x, compiled), expected)
 
 
-def test_one_build_per_setting_reused_when_it_comes_back(monkeypatch):
-    graphs = []
-    real_init = CompiledGraph.__init__
-
-    def spy(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        graphs.append(self)
-
-    monkeypatch.setattr(CompiledGraph, "__init__", spy)
+def test_one_build_per_setting_reused_when_it_comes_back():
     torch.manual_seed(0)
     model, x = WithConstants(), torch.randn(4, 8)
     compiled = torch.compile(model, backend="donate_xla")
-    for setting in (True, False, True, False):
-        with config.patch(free_saved=setting):
-            _grads(model, x, compiled)
+    with instances_of(CompiledGraph) as graphs:
+        for setting in (True, False, True, False):
+            with config.patch(free_saved=setting):
+                _grads(model, x, compiled)
     (backward,) = [g for g in graphs if g.ctx.kind == "backward"]
     assert len(backward._builds.built_keys()) == 2
 

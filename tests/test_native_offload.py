@@ -16,6 +16,7 @@ from donate_backend import config
 from donate_backend.errors import DonateXlaError
 from donate_backend.native import compat
 from donate_backend.native.compiled import CompiledGraph
+from instances import instances_of
 
 HAS_OFFLOADING = compat.activation_offloading(on_cuda=False) is not None
 needs_offloading = pytest.mark.skipif(not HAS_OFFLOADING, reason=f"torch {torch.__version__} has no activation offloading")
@@ -43,18 +44,8 @@ def _train(model, run, steps: int = 3):
 
 
 def _graphs_built(fn):
-    built = []
-    real_init = CompiledGraph.__init__
-
-    def spy(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        built.append(self)
-
-    CompiledGraph.__init__ = spy
-    try:
+    with instances_of(CompiledGraph) as built:
         result = fn()
-    finally:
-        CompiledGraph.__init__ = real_init
     return result, built
 
 

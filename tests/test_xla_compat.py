@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from conftest import HAS_TORCH_XLA, XLA_SKIP_REASON
+from instances import instances_of
 
 pytestmark = pytest.mark.skipif(not HAS_TORCH_XLA, reason=XLA_SKIP_REASON)
 
@@ -300,26 +301,17 @@ def _sgd_executables(xla_device, kind, steps: int, stitch: bool = False) -> list
     objects (``XlaExecutable`` or ``StitchedExecutable``) the XLA run made."""
     from donate_backend import config
 
-    made = []
-    init = kind.__init__
-
-    def recording_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    kind.__init__ = recording_init
-    results = []
-    try:
-        for device, backend in ((xla_device, "donate_xla"), (torch.device("cpu"), None)):
-            torch._dynamo.reset()
-            compile_fn = (lambda f: torch.compile(f, backend=backend)) if backend else (lambda f: f)
+    results, made = [], []
+    for device, backend in ((xla_device, "donate_xla"), (torch.device("cpu"), None)):
+        torch._dynamo.reset()
+        compile_fn = (lambda f: torch.compile(f, backend=backend)) if backend else (lambda f: f)
+        with instances_of(kind) as recorded:
             params, _, step, x = linear_sgd_momentum(device, compile_fn)
             with config.patch(stitch=stitch):
                 losses = [step(x) for _ in range(steps)]
-            results.append(([loss.cpu() for loss in losses], [p.cpu() for p in params]))
-            kind.__init__ = init
-    finally:
-        kind.__init__ = init
+        if backend:
+            made = recorded
+        results.append(([loss.cpu() for loss in losses], [p.cpu() for p in params]))
     torch.testing.assert_close(results[0], results[1])
     return made
 
