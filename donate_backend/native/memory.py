@@ -374,7 +374,8 @@ class DroppedOutputs:
     """Watches what a backward returned until the next graph runs: if that is a backward
     (the same backward pass), the bytes of the outputs dropped in between are noted in
     the first one's record (``GraphRecord.outputs_dropped``); each backward is watched
-    until that is known. Nothing is held but weak references."""
+    until that is known (a graph run once per step is watched once). Nothing is held
+    but weak references."""
 
     def __init__(self) -> None:
         self._record = None  # the backward whose last call's outputs are watched
@@ -386,11 +387,17 @@ class DroppedOutputs:
             self._record = record
 
     def next_call(self, kind: str) -> None:
-        """A graph of ``kind`` starts (call before it runs)."""
+        """A graph of ``kind`` starts (call before it runs). After the last backward of a
+        pass (a forward or another graph runs next) nothing is dropped before a backward:
+        noted as 0, so that it is not watched again."""
         record, self._record = self._record, None
-        if record is not None and kind == "backward" and record.output_storages is not None:
-            record.outputs_dropped = sum(size for _, size in record.output_storages) - held_bytes(
-                record.output_storages)
+        if record is None or record.output_storages is None:
+            return
+        if kind != "backward":
+            record.outputs_dropped = 0
+            return
+        record.outputs_dropped = sum(size for _, size in record.output_storages) - held_bytes(
+            record.output_storages)
 
 
 dropped_outputs = DroppedOutputs()
