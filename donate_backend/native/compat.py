@@ -38,7 +38,7 @@ directly. Every guard has a test that removes the API by monkeypatching
   ``torch._functorch._activation_offloading``: torch 2.15 has them, torch 2.9
   does not); on CUDA with its separate copy stream, its waits sunk and its
   reloads prefetched, where those settings exist. ``None`` when this torch has
-  no activation offloading.
+  no activation offloading. ``torch_version()``: torch's version, for messages.
 - ``as_boxed(fn)``: a function marked with ``_boxed_call``. In torch 2.13,
   ``GraphModule._boxed_call`` is read-only, so we never set it on a module;
   we always mark a plain function we own.
@@ -319,6 +319,11 @@ def _evaluated(expr, binding: dict) -> Optional[int]:
         return int(value) if value.is_number else None
     except (TypeError, ValueError, AttributeError):
         return None
+
+
+def torch_version() -> str:
+    """torch's version string, for messages."""
+    return str(getattr(torch, "__version__", "unknown"))
 
 
 def activation_offloading(on_cuda: bool):

@@ -35,9 +35,9 @@ def check_available(graph_id: int) -> None:
     if compat.activation_offloading(on_cuda=False) is None:
         raise DonateXlaError(
             f"donate_xla: graph {graph_id}: offload_saved needs torch's activation offloading "
-            f"(torch._functorch._activation_offloading), which torch {torch.__version__} does not "
-            "have (torch 2.15 does). Leave offload_saved off (DONATE_XLA_OFFLOAD_SAVED=0), or lower "
-            "the memory of the step with activation_budget or memory_limit instead.",
+            f"(torch._functorch._activation_offloading), which torch {compat.torch_version()} does "
+            "not have (torch 2.15 does). Leave offload_saved off (DONATE_XLA_OFFLOAD_SAVED=0), or "
+            "lower the memory of the step with activation_budget or memory_limit instead.",
             help_section="Settings and `torch.compile` arguments",
         )
 
