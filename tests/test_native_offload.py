@@ -116,3 +116,29 @@ def test_offload_switch_from_the_environment():
     assert config.settings_from_env({"DONATE_XLA_OFFLOAD_SAVED": "1"}).offload_saved is True
     assert config.settings_from_env({}).offload_saved is False
     donate_backend.clear_reports()
+
+
+def test_the_replay_of_a_graph_on_a_device_counts_no_bytes_for_its_host_copies():
+    """A saved activation offloaded to the host takes no device memory from the offload on:
+    the replay of a graph on CUDA (fake tensors: no GPU needed) counts its host copy as 0
+    bytes, and the same graph on the CPU counts it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from donate_backend.native import memory
+
+    def forward(x):
+        saved = torch.tanh(x)
+        return saved * 2, torch.ops.prims.device_put.default(saved, torch.device("cpu"))
+
+    width = 1024 * 256 * 4
+    peaks = {}
+    for device in ("cuda", "cpu"):
+        with FakeTensorMode():
+            graph = make_fx(forward)(torch.empty(1024, 256, device=device)).graph
+        replayed = memory.replay(graph, "g", "forward", saved_outputs_from=1)
+        peaks[device] = (replayed.peak_bytes, replayed.end_bytes)
+    # on CUDA: tanh, then the product (the host copy is free); the tanh dies, the product stays
+    assert peaks["cuda"] == (2 * memory.cuda_block_bytes(width), memory.cuda_block_bytes(width))
+    # on the CPU the copy is one more buffer, and it is returned
+    assert peaks["cpu"] == (3 * width, 2 * width)

@@ -30,6 +30,8 @@ allocated, so the replay of the unfused graph is an upper bound there).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -97,11 +99,33 @@ def cuda_block_bytes(size: int) -> int:
     return 0 if size <= 0 else (size + 511) // 512 * 512
 
 
+# Inside the replay of a graph on an accelerator (or the meta device that plans for one),
+# a tensor in host memory takes none of the device's: a saved activation offloaded to the
+# host (``offload_saved``), a CPU scalar. Set by ``replay`` and ``predict_step``.
+_host_bytes_free: contextvars.ContextVar[bool] = contextvars.ContextVar("donate_xla_host_bytes_free", default=False)
+
+
+@contextlib.contextmanager
+def _device_bytes_of(*graphs: torch.fx.Graph):
+    """Count only device bytes while replaying ``graphs`` (see above)."""
+    on_device = any(
+        v.device.type != "cpu" for graph in graphs for node in graph.find_nodes(op="placeholder")
+        for v in _tensors(node)
+    )
+    token = _host_bytes_free.set(on_device)
+    try:
+        yield
+    finally:
+        _host_bytes_free.reset(token)
+
+
 def nbytes(value: torch.Tensor) -> int:
     """Bytes of the storage behind ``value`` (symbolic sizes at their hint); on CUDA,
-    the allocator's block."""
+    the allocator's block; 0 for a host tensor in a graph on a device (above)."""
     from . import compat
 
+    if value.device.type == "cpu" and _host_bytes_free.get():
+        return 0
     try:
         size = value.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
@@ -151,7 +175,14 @@ class _Ledger:
                 del self.holders[key]
 
 
-def replay(
+def replay(graph: torch.fx.Graph, name: str, kind: str, **options) -> GraphMemory:
+    """Replay ``graph``'s allocations (``_replay``), counting only device bytes where the
+    graph runs on a device."""
+    with _device_bytes_of(graph):
+        return _replay(graph, name, kind, **options)
+
+
+def _replay(
     graph: torch.fx.Graph,
     name: str,
     kind: str,
@@ -434,6 +465,11 @@ def predict_step(
     for it (what a caller of ``loss.backward()`` gets). ``forward_returns``: how many of
     the forward's outputs are the caller's (the rest are saved). Used to choose an
     activation budget under a memory limit (``donate_backend.budget``)."""
+    with _device_bytes_of(fw_module.graph):
+        return _predict_step(fw_module, bw_module, forward_returns)
+
+
+def _predict_step(fw_module, bw_module, forward_returns):
     resident: Dict[object, int] = {}
     for node in fw_module.graph.find_nodes(op="placeholder"):
         resident.update(_keys(node))
