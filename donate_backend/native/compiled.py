@@ -166,8 +166,7 @@ class CompiledGraph:
             self.record.returned = returned_storages(inputs, result)
         if self.ctx.kind == "forward" and self._forward_returns is not None:
             self.record.output_storages = memory.storage_refs(result[: self._forward_returns])
-        elif self.ctx.kind == "backward":
-            self.record.output_storages = memory.storage_refs(result)
+        # a backward's output storages: noted by ``memory.dropped_outputs.returned``
         return result
 
     def _build(self, settings: config.Settings) -> executor.Built:
