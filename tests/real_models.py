@@ -1,7 +1,9 @@
 """Real models, CI-sized: HF transformers from tiny configs and torchvision, random weights.
 
 GPT-2, BERT, Llama, T5, BART (one embedding tied three ways), Mixtral (mixture of
-experts); resnet18, ViT, ConvNeXt and Swin.
+experts), ALBERT (one layer's weights used by every layer), Whisper (convolutions
+over audio features, then an encoder-decoder), CLIP (a text and an image tower
+and a contrastive loss); resnet18, ViT, ConvNeXt and Swin.
 
 Shared by tests/test_native_real_models.py, tests/test_ddp_real_models.py and
 bench/backward_memory.py. Everything is built offline from a config (no hub
@@ -28,6 +30,7 @@ VOCAB = 96
 SEQ = 16
 BATCH = 2
 WIDTH = 32  # the HF models' hidden size (their feed-forward is twice as wide); ViT's too
+MEL_BINS, AUDIO_FRAMES = 16, 64  # Whisper's input features (its encoder halves the frames)
 
 
 @contextlib.contextmanager
@@ -141,6 +144,72 @@ def bart():
     return transformers.BartForConditionalGeneration(config)
 
 
+def albert():
+    # One set of layer weights used by all three layers: each weight's gradient sums three uses.
+    import transformers
+
+    config = transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=WIDTH // 2, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+        num_hidden_layers=3, num_attention_heads=2, max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
+    )
+    return transformers.AlbertForMaskedLM(config)
+
+
+def whisper():
+    # Two 1-d convolutions over the audio features feed the encoder; the decoder's
+    # labels are shorter than the audio.
+    import transformers
+
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=MEL_BINS, d_model=WIDTH, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH,
+        max_source_positions=AUDIO_FRAMES // 2, max_target_positions=SEQ,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+def _audio_batch(seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "input_features": torch.randn(BATCH, MEL_BINS, AUDIO_FRAMES, generator=generator),
+        "labels": torch.randint(3, VOCAB, (BATCH, SEQ // 2), generator=generator),
+    }
+
+
+def clip():
+    # Two towers whose pooled outputs meet in a contrastive loss scaled by a learned
+    # temperature (``logit_scale.exp()``).
+    import transformers
+
+    config = transformers.CLIPConfig(
+        text_config=dict(
+            vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=1,
+            num_attention_heads=2, max_position_embeddings=SEQ,
+        ),
+        vision_config=dict(
+            hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=1, num_attention_heads=2,
+            image_size=32, patch_size=8,
+        ),
+        projection_dim=WIDTH // 2,
+    )
+    return transformers.CLIPModel(config)
+
+
+def _text_image_batch(seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+        "pixel_values": torch.randn(BATCH, 3, 32, 32, generator=generator),
+    }
+
+
+def _contrastive_loss(model, batch) -> torch.Tensor:
+    return model(**batch, return_loss=True).loss
+
+
 def resnet18():
     import torchvision
 
@@ -193,6 +262,9 @@ MODELS: Dict[str, RealModel] = {
     "t5": RealModel("t5", t5, _lm_batch, _hf_loss, "transformers"),
     "mixtral": RealModel("mixtral", mixtral, _lm_batch, _hf_loss, "transformers"),
     "bart": RealModel("bart", bart, _lm_batch, _hf_loss, "transformers"),
+    "albert": RealModel("albert", albert, _lm_batch, _hf_loss, "transformers"),
+    "whisper": RealModel("whisper", whisper, _audio_batch, _hf_loss, "transformers"),
+    "clip": RealModel("clip", clip, _text_image_batch, _contrastive_loss, "transformers"),
     "resnet18": RealModel("resnet18", resnet18, _images, _image_loss, "torchvision"),
     "vit": RealModel("vit", vit, _images, _image_loss, "torchvision"),
     "convnext": RealModel("convnext", convnext, _images, _image_loss, "torchvision"),

@@ -1,4 +1,5 @@
-"""Real models on the XLA path: HF GPT-2, BERT, Llama, T5, BART, Mixtral and torchvision ViT, resnet18, ConvNeXt, Swin.
+"""Real models on the XLA path: HF GPT-2, BERT, Llama, T5, BART, Mixtral, ALBERT, Whisper, CLIP and
+torchvision ViT, resnet18, ConvNeXt, Swin.
 
 Each model (tiny config, random weights, dropout off; tests/real_models.py)
 trains 3 AdamW steps on the XLA device in eager torch_xla and with donate_xla,
@@ -42,6 +43,13 @@ LR = 1e-3
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-4, atol=2.5 * LR)
 
+
+# CLIP's key projections have biases whose gradient is zero in exact arithmetic (a softmax does
+# not change when every key moves by one vector); AdamW turns its rounding noise into steps of
+# about lr of either sign, and the contrastive loss, scaled by exp(logit_scale), carries them into
+# the third loss: measured 1.03e-5 relative with separate executables and 1.04e-5 stitched, against
+# 0 and 2.3e-7 with SGD from the same weights.
+LOSS_TOL_OF = {"clip": dict(rtol=5e-5, atol=1e-6)}
 
 # models whose compiled values are compared tightly with openxla's and loosely with eager's
 CHAOTIC = {"resnet18"}
@@ -131,7 +139,7 @@ def test_real_model_trains_like_eager_on_xla(name, compile_how):
     if compile_how == "segments":
         assert any(r.backward_segments >= 2 for r in records)
         assert any(r.donated for r in records)
-    torch.testing.assert_close(losses, ref_losses, **LOSS_TOL)
+    torch.testing.assert_close(losses, ref_losses, **LOSS_TOL_OF.get(name, LOSS_TOL))
     for n, p in ref_params.items():
         torch.testing.assert_close(params[n], p, **PARAM_TOL, msg=lambda m: f"{name} parameter {n}: {m}")
 
