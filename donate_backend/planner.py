@@ -454,15 +454,17 @@ def memory_plan(
                 "stitched graphs with no stitched optimizer graph after their backward: the plan "
                 "counts them as separate executables"
             )
-        forwards = [r for r in native if r.kind == "forward"]
-        if len(forwards) > 1:
-            notes.append(
-                f"the step's forward is {len(forwards)} graphs (graph breaks): the code between them "
-                "runs in torch_xla's lazy mode, outside any compiled graph, and what it holds until "
-                "the next torch_xla.sync() is not counted"
-            )
         if any(r.backward_segments for r in records):
             notes.append("backward segments: each segment counted as a backward of its own (approximate)")
+    forwards = sum(r.kind == "forward" for r in ordered)
+    if forwards > 1:
+        notes.append(
+            f"the step's forward runs {forwards} compiled graphs (graph breaks): the code between them "
+            + ("runs in torch_xla's lazy mode, outside any compiled graph, and what it holds until "
+               "the next torch_xla.sync() is not counted" if path == "xla" else
+               "runs eagerly, and what it allocates (the activations its own autograd saves "
+               "included) is not counted")
+        )
     return MemoryPlan(
         peak_bytes=peak,
         resident_bytes=resident_bytes,

@@ -85,6 +85,7 @@ def test_plan_of_an_mlp_step_matches_the_measured_growth(executor):
     parameters = sum(p.numel() * 4 for p in model.parameters())
     assert plan.breakdown["parameters"] == parameters
     assert [g.name.split()[-1] for g in plan.graphs] == ["forward", "backward"]
+    assert not any("graph breaks" in note for note in plan.notes), plan.notes
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "t5", "mixtral", "resnet18", "vit"])
@@ -130,6 +131,8 @@ def test_plan_of_a_graph_break_program_passes_input_gradients_between_backwards(
     assert abs(plan.growth_bytes / measured - 1) <= TOLERANCE
     # ``h``, which the second graph reads, is the first one's output, not held between steps
     assert plan.resident_bytes == sum(p.numel() * 4 for p in model.parameters()) + x.numel() * 4
+    # the eager code between the two graphs is not counted, and the plan says so
+    assert any("2 compiled graphs" in note and "runs eagerly" in note for note in plan.notes), plan.notes
 
 
 def test_optimizer_state_and_shared_parameters_are_resident_once():
