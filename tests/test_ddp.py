@@ -176,12 +176,12 @@ def test_comm_hook_falls_back_and_logs_reason():
         ]
 
 
-# ---- issue 11: gradients land only where autograd puts them --------------------
+# ---- gradients land only where autograd puts them -----------------------------
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_backward_inputs_subset_leaves_other_grads_untouched(set_to_none):
-    # Issue 11, case 1: eager DDP leaves every other .grad as zero_grad left it.
+    # Eager DDP leaves every other .grad as zero_grad left it.
     # The last layer's bias shares its bucket with layers[2].weight, so the
     # bucket is not ready. (A subset that readies a bucket makes DDP start its
     # all-reduce, which nothing waits for, in eager DDP too: .grad is then
@@ -194,7 +194,7 @@ def test_backward_inputs_subset_leaves_other_grads_untouched(set_to_none):
 
 
 def test_autograd_grad_of_an_input_leaves_every_grad_untouched():
-    # Issue 11, case 2 (gradient penalties, R1, adversarial examples).
+    # A gradient of an input only (gradient penalties, R1, adversarial examples).
     program = train(3) + [dict(kind="grad_input"), dict(kind="train")]
     results = run_job(dict(name="grad_input", program=program))
     assert_equal_on_every_rank(results)  # includes the input gradient itself
@@ -225,7 +225,7 @@ def test_optimizer_in_backward_hooks_fire_as_in_eager():
     steady(results, "slot_writes", 8)
 
 
-# ---- issue 11: switches flipped after capture ----------------------------------
+# ---- switches flipped after capture -------------------------------------------
 
 
 def test_switch_off_from_the_start_keeps_ddp_path():
@@ -306,7 +306,7 @@ def test_executor_flipped_to_inductor_after_capture():
     steady(results, "slot_writes", 8)  # back in the buckets
 
 
-# ---- issue 11: Join ----------------------------------------------------------------
+# ---- Join -------------------------------------------------------------------------
 
 
 def test_join_dividing_by_live_ranks_falls_back_with_reason():

@@ -1,4 +1,4 @@
-"""The DDP cases of issue 11 on 4 gloo ranks (one process group for all of them).
+"""The DDP cases of tests/test_ddp.py on 4 gloo ranks (one process group for all of them).
 
 The same jobs as tests/test_ddp.py (see there for what each shows), run
 together to pay for the 4 processes once.

@@ -104,7 +104,7 @@ def test_native_path_imports_without_torch_xla():
     assert done.stdout.strip().endswith("ok")
 
 
-# ---- issue 11: the Inductor wiring and the partitioner ----------------------------
+# ---- the Inductor wiring and the partitioner -------------------------------------
 
 
 def test_aten_executor_falls_back_to_the_default_partitioner(monkeypatch):
@@ -187,7 +187,7 @@ def test_inductor_decompose_keeps_values_and_drops_ops_inductor_decomposes():
 
 
 def test_inductor_options_import_the_lowerings_its_decompositions_need():
-    # Issue 11: resnet18 under Inductor failed with "module 'torch._inductor'
+    # resnet18 under Inductor failed with "module 'torch._inductor'
     # has no attribute 'lowering'" (max_pool2d's decomposition reads it).
     code = (
         "import sys; sys.modules['torch_xla'] = None\n"
@@ -203,7 +203,7 @@ def test_inductor_options_import_the_lowerings_its_decompositions_need():
     assert done.stdout.strip().endswith("ok")
 
 
-# ---- issue 16: the branch each guard takes on the torch running the tests -------------
+# ---- the branch each guard takes on the torch running the tests -----------------------
 # `make test` runs this file on torch 2.9.0 and on the newest release. The tests above
 # remove each API to prove the fallback branch; these prove that the real branch is the
 # one taken, so that a torch which drops or renames an API fails here instead of quietly

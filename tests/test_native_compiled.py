@@ -1,6 +1,6 @@
 """The compiled graph (native/compiled.py): no deep copies, one build per setting, executor flips.
 
-Issue 11: the native path deep-copied every aot graph to keep a pristine copy,
+What these guard against: the native path deep-copied every aot graph to keep a pristine copy,
 which fails on graphs holding fake or meta constants (every HF model); under
 Inductor, ``retain_graph=True`` was refused with ``free_saved=False`` although
 nothing was donated; and a switch flipped after capture handed Inductor graphs
@@ -90,7 +90,7 @@ def test_one_build_per_setting_reused_when_it_comes_back():
 
 @pytest.mark.parametrize("free_saved", [True, False])
 def test_inductor_backward_with_retain_graph_is_correct(free_saved):
-    # Issue 11, case 6: refused with free_saved=False although nothing was
+    # Once refused with free_saved=False although nothing was
     # donated. Now the donating variant never runs under retain_graph: with
     # free_saved=True a second, non-donating variant runs instead.
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ partitioner) with a plain backward. (Neither stays at eager's on every model:
 aot_autograd turns dropout with p=0 into a ``clone`` where eager returns its
 input, see docs/native.md.)
 
-Issue 11: all four HF models failed to compile (deep copy of a graph holding
+Earlier failures these guard against: the HF models failed to compile (deep copy of a graph holding
 fake constants) and resnet18 failed under Inductor (``torch._inductor.lowering``
 not imported).
 """
@@ -33,7 +33,7 @@ LR = 1e-3
 MIB = 2**20
 
 # The ATen executor runs eager's kernels: the measured differences from eager
-# after 3 AdamW steps are 0 to 2e-7 (issue 11 report), and the two runs train
+# after 3 AdamW steps are 0 to 2e-7 (measured), and the two runs train
 # side by side for all 3 steps. Inductor computes in another order (1e-5
 # relative on gradients, compared in norm), and a network with BatchNorm at a small batch
 # amplifies that over steps whatever the compiler (stock Inductor differs from

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run torch_xla's own dynamo tests against donate_xla and against openxla, and compare.
 
-Issue 12. The peer suites are four files of pytorch/xla's ``test/dynamo/`` at tag v2.9.0. No
+The peer suites are four files of pytorch/xla's ``test/dynamo/`` at tag v2.9.0. No
 code of pytorch/xla is kept in this repository: the files are read from a pytorch/xla git
 checkout or snapshot given on the command line (``--xla-src``, or ``$PEER_XLA_SRC``), extracted
 into a temporary directory, and run there twice, each as ``python FILE -v`` in a fresh process

@@ -233,7 +233,7 @@ def inductor_aot_options() -> dict:
     Inductor's decompositions call into ``torch._inductor.lowering`` (e.g.
     ``max_pool2d_with_indices``), which only ``compile_fx`` imports; without
     that import aot_autograd's tracing fails with "module 'torch._inductor' has
-    no attribute 'lowering'" (issue 11, torchvision resnet18).
+    no attribute 'lowering'" (torchvision resnet18).
     """
     from torch._inductor import compile_fx as inductor_compile_fx  # imports ...lowering
     from torch._inductor.decomposition import select_decomp_table

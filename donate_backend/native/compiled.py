@@ -5,7 +5,7 @@ aot_autograd gave it and never changes it: every build starts from that graph
 and works on its own copy (``prepare_graph``: the DDP rewrite, then the
 executor, ``executor.build``). Nothing is deep-copied: aot_autograd's graphs
 can hold tensor constants that are fake or meta tensors, and copying those
-under the fake mode fails (issue 11).
+under the fake mode fails (HF models did).
 
 A ``CompiledGraph`` is boxed (it takes the argument list itself). Builds live
 in a ``builds.BuildsPerSetting``: the build for the switches in force is made
