@@ -57,51 +57,71 @@ test:
 # - torch_xla's own layers (its scan-based GRU): after the rest of the suite in one process, the
 #   first sync of all live tensors in the test after them died with a segmentation fault inside
 #   XLA's execution (not reproduced with any part of the suite before them); alone they pass.
-# - `make test-slow`: the training loop of tests/test_xla_training_loop.py in its modes other
-#   than the whole step (budget, stitched, segments, model only), two of the three SPMD real
-#   models, and on torch 2.9 the Inductor executor on five HF models (below).
+# - `make test-slow`: what `make test` leaves out to keep CI within its time (each list below
+#   says what), the cases that repeat what other cases already show on another model, mode or
+#   torch.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS)
 LAYERS := tests/test_xla_torch_xla_layers.py
+# The training loop of tests/test_xla_training_loop.py in its modes other than the whole step
 LOOP := tests/test_xla_training_loop.py::test_training_loop_with_accumulation_clipping_schedule_eval_and_checkpoint
 SLOW_LOOP_MODES := step-budget step-stitched step-segments model
-# and two of the three real models trained on a 4-device mesh (a few minutes each; GPT-2 stays)
+# Two of the three real models trained on a 4-device mesh (a few minutes each; GPT-2 stays)
 SPMD := tests/test_xla_spmd.py::test_real_model_sharded_fsdp_style_trains_like_eager_spmd
 SLOW_SPMD := llama-model t5-step
-# and, on torch 2.9, the native path's Inductor executor on five of the six first HF models,
-# on ALBERT, Whisper and CLIP, and on GPT-2 with dynamic lengths (about 360 s of compiling on a
-# 2-core machine): the newest-torch suite runs bert, llama, ALBERT, Whisper, CLIP and GPT-2; on
-# torch 2.9 make test keeps GPT-2 and two of the four torchvision models (the newest torch has
-# no torchvision yet)
+# The native path's Inductor executor on torch 2.9 for all but GPT-2 and ViT (the newest torch
+# has no torchvision yet, so ViT is the torchvision model the Inductor executor trains in CI),
+# and GPT-2 with dynamic lengths; on the newest torch for all but GPT-2, BERT, Llama and ALBERT
 NATIVE_REAL := tests/test_native_real_models.py::test_real_model_trains_like_eager
-SLOW_INDUCTOR := bart bert llama mixtral t5 resnet18 swin albert whisper clip
-SLOW_INDUCTOR_NEWEST := bart mixtral t5
+SLOW_INDUCTOR := bart bert llama mixtral t5 resnet18 swin convnext albert whisper clip
+SLOW_INDUCTOR_NEWEST := bart mixtral t5 whisper clip
 NATIVE_DYNAMIC := tests/test_native_real_models.py::test_gpt2_with_dynamic_sequence_lengths_trains_like_eager[inductor]
-# and Mixtral on XLA in two of its four modes (the whole step and segments stay), and on torch
-# 2.9 the HF models under DDP (the newest-torch suite runs them)
-DDP_REAL := tests/test_ddp_real_models.py
+# and on torch 2.9 (the newest torch runs them) the ATen executor and the memory plan on T5 and
+# Mixtral, and the ATen executor on BART
+SLOW_ATEN := bart mixtral t5
+PLAN_REAL := tests/test_memory_plan.py::test_plan_of_a_real_model_matches_the_measured_growth
+SLOW_PLAN := mixtral t5
+# On XLA, every model trains compiled as a model and as a whole step (Mixtral: as a whole step
+# only), five of them stitched (GPT-2, BERT, Llama, ConvNeXt, ViT) and seven in backward segments
+# (those and T5, Mixtral); the other cases here
 XLA_REAL := tests/test_xla_real_models.py::test_real_model_trains_like_eager_on_xla
-SLOW_XLA_REAL := mixtral-model mixtral-stitched
+SLOW_XLA_REAL := mixtral-model mixtral-stitched t5-stitched \
+	albert-stitched albert-segments whisper-stitched whisper-segments clip-stitched clip-segments \
+	bart-stitched bart-segments swin-stitched swin-segments
+# The HF models under DDP: on the newest torch, all but BART, BERT, Whisper and CLIP (their
+# fixture trains only the selected ones); on torch 2.9 none
+DDP_REAL := tests/test_ddp_real_models.py
+SLOW_DDP_REAL_NEWEST := bart bert whisper clip
+# DDP on 4 ranks (the 4-rank cases and random step sequences) runs on the newest torch only
+DDP_WORLD4 := tests/test_ddp_world4.py
+DDP_SEQUENCES4 := tests/test_ddp_sequences.py::test_random_step_sequences_equal_eager_ddp[4]
 test-xla: $(STAMP)
 	XLA_COMPILATION_CACHE_SIZE=256 $(PY) -m pytest -q $(XDIST) --dist loadgroup --durations=10 tests/test_xla_real_models.py \
 		$(foreach case,$(SLOW_XLA_REAL),--deselect '$(XLA_REAL)[$(case)]')
 	$(PY) -m pytest -q $(XDIST) --dist loadgroup --durations=10 tests --ignore=tests/test_xla_real_models.py --ignore=$(LAYERS) --ignore=$(DDP_REAL) \
+		--ignore=$(DDP_WORLD4) --deselect '$(DDP_SEQUENCES4)' \
 		$(foreach mode,$(SLOW_LOOP_MODES),--deselect '$(LOOP)[$(mode)]') \
 		$(foreach case,$(SLOW_SPMD),--deselect '$(SPMD)[$(case)]') \
-		$(foreach model,$(SLOW_INDUCTOR),--deselect '$(NATIVE_REAL)[$(model)-inductor]') --deselect '$(NATIVE_DYNAMIC)'
+		$(foreach model,$(SLOW_INDUCTOR),--deselect '$(NATIVE_REAL)[$(model)-inductor]') --deselect '$(NATIVE_DYNAMIC)' \
+		$(foreach model,$(SLOW_ATEN),--deselect '$(NATIVE_REAL)[$(model)-aten]') \
+		$(foreach model,$(SLOW_PLAN),--deselect '$(PLAN_REAL)[$(model)]')
 	$(PY) -m pytest -q $(LAYERS)
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(NEWEST_STAMP)
 	$(PY) -m pytest -q $(XDIST) --dist load $(foreach mode,$(SLOW_LOOP_MODES),'$(LOOP)[$(mode)]') \
 		$(foreach case,$(SLOW_SPMD),'$(SPMD)[$(case)]') \
-		$(foreach model,$(SLOW_INDUCTOR),'$(NATIVE_REAL)[$(model)-inductor]') '$(NATIVE_DYNAMIC)'
+		$(foreach model,$(SLOW_INDUCTOR),'$(NATIVE_REAL)[$(model)-inductor]') '$(NATIVE_DYNAMIC)' \
+		$(foreach model,$(SLOW_ATEN),'$(NATIVE_REAL)[$(model)-aten]') $(foreach model,$(SLOW_PLAN),'$(PLAN_REAL)[$(model)]')
 	XLA_COMPILATION_CACHE_SIZE=256 $(PY) -m pytest -q $(XDIST) --dist loadgroup $(foreach case,$(SLOW_XLA_REAL),'$(XLA_REAL)[$(case)]')
-	$(PY) -m pytest -q $(DDP_REAL)
+	$(PY) -m pytest -q $(XDIST) --dist loadgroup $(DDP_REAL) $(DDP_WORLD4) '$(DDP_SEQUENCES4)'
+	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadgroup $(foreach model,$(SLOW_INDUCTOR_NEWEST),'$(NATIVE_REAL)[$(model)-inductor]') \
+		$(foreach model,$(SLOW_DDP_REAL_NEWEST),'$(DDP_REAL)::test_real_model_under_ddp_equals_eager_ddp[$(model)]')
 
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__, "(no torch_xla)")'
 	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadgroup --durations=10 tests \
-		$(foreach model,$(SLOW_INDUCTOR_NEWEST),--deselect '$(NATIVE_REAL)[$(model)-inductor]')
+		$(foreach model,$(SLOW_INDUCTOR_NEWEST),--deselect '$(NATIVE_REAL)[$(model)-inductor]') \
+		$(foreach model,$(SLOW_DDP_REAL_NEWEST),--deselect '$(DDP_REAL)::test_real_model_under_ddp_equals_eager_ddp[$(model)]')
 
 # Differential fuzzing of the XLA path against eager PyTorch (about 1 s a scenario).
 FUZZ_COUNT ?= 2000
