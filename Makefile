@@ -66,16 +66,27 @@ LAYERS := tests/test_xla_torch_xla_layers.py
 # The training loop of tests/test_xla_training_loop.py in its modes other than the whole step
 LOOP := tests/test_xla_training_loop.py::test_training_loop_with_accumulation_clipping_schedule_eval_and_checkpoint
 SLOW_LOOP_MODES := step-budget step-stitched step-segments model
-# Two of the three real models trained on a 4-device mesh (a few minutes each; GPT-2 stays)
+# The three real models trained on a 4-device mesh (a minute or more each; the layouts'
+# tests and random programs on a mesh stay)
 SPMD := tests/test_xla_spmd.py::test_real_model_sharded_fsdp_style_trains_like_eager_spmd
-SLOW_SPMD := llama-model t5-step
-# The native path's Inductor executor on torch 2.9 for all but GPT-2 and ViT (the newest torch
-# has no torchvision yet, so ViT is the torchvision model the Inductor executor trains in CI),
-# and GPT-2 with dynamic lengths; on the newest torch for all but GPT-2, BERT, Llama and ALBERT
+SLOW_SPMD := llama-model t5-step gpt2-step
+# The fuzzer's random seeds in the stitched, segmented and mixed modes (their regression
+# seeds stay, and so do the 24 random seeds of the default mode); torch_xla's
+# XLA_NO_SPECIAL_SCALARS switch in a training loop (a graph-level test of it stays)
+FUZZ := tests/test_xla_fuzz.py
+SLOW_FUZZ := $(foreach seed,$(shell seq 10040 10049),test_random_training_program_matches_eager_stitched[$(seed)]) \
+	$(foreach seed,$(shell seq 10070 10077),test_random_training_program_matches_eager_in_backward_segments[$(seed)]) \
+	$(foreach seed,$(shell seq 10060 10064),test_random_training_program_matches_eager_mixed[$(seed)])
+SLOW_COMPAT := tests/test_xla_compat.py::test_torch_xla_debug_switches_leave_values_right[XLA_NO_SPECIAL_SCALARS]
+# The native path's Inductor executor on torch 2.9 for all but ViT (the newest torch has no
+# torchvision yet, so ViT is the torchvision model the Inductor executor trains in CI); on the
+# newest torch for all but GPT-2, BERT and Llama; GPT-2 with dynamic lengths on both; and a
+# batch size that changes between compiled steps on torch 2.9
 NATIVE_REAL := tests/test_native_real_models.py::test_real_model_trains_like_eager
-SLOW_INDUCTOR := bart bert llama mixtral t5 resnet18 swin convnext albert whisper clip
-SLOW_INDUCTOR_NEWEST := bart mixtral t5 whisper clip
+SLOW_INDUCTOR := gpt2 bart bert llama mixtral t5 resnet18 swin convnext albert whisper clip
+SLOW_INDUCTOR_NEWEST := bart mixtral t5 albert whisper clip
 NATIVE_DYNAMIC := tests/test_native_real_models.py::test_gpt2_with_dynamic_sequence_lengths_trains_like_eager[inductor]
+NATIVE_BATCH := tests/test_native_compiled.py::test_step_recompiled_for_a_changing_batch_size_matches_eager[inductor]
 # and on torch 2.9 (the newest torch runs them) the ATen executor and the memory plan on T5 and
 # Mixtral, and the ATen executor on BART
 SLOW_ATEN := bart mixtral t5
@@ -88,10 +99,10 @@ XLA_REAL := tests/test_xla_real_models.py::test_real_model_trains_like_eager_on_
 SLOW_XLA_REAL := mixtral-model mixtral-stitched t5-stitched \
 	albert-stitched albert-segments whisper-stitched whisper-segments clip-stitched clip-segments \
 	bart-stitched bart-segments swin-stitched swin-segments
-# The HF models under DDP: on the newest torch, all but BART, BERT, Whisper and CLIP (their
-# fixture trains only the selected ones); on torch 2.9 none
+# The HF models under DDP: on the newest torch, GPT-2, Llama and ALBERT (and GPT-2 and Mixtral
+# compiled inside DDP; their fixture trains only the selected ones); on torch 2.9 none
 DDP_REAL := tests/test_ddp_real_models.py
-SLOW_DDP_REAL_NEWEST := bart bert whisper clip
+SLOW_DDP_REAL_NEWEST := bart bert t5 mixtral whisper clip
 # DDP on 4 ranks (the 4-rank cases and random step sequences) runs on the newest torch only
 DDP_WORLD4 := tests/test_ddp_world4.py
 DDP_SEQUENCES4 := tests/test_ddp_sequences.py::test_random_step_sequences_equal_eager_ddp[4]
@@ -104,23 +115,25 @@ test-xla: $(STAMP)
 		$(foreach case,$(SLOW_SPMD),--deselect '$(SPMD)[$(case)]') \
 		$(foreach model,$(SLOW_INDUCTOR),--deselect '$(NATIVE_REAL)[$(model)-inductor]') --deselect '$(NATIVE_DYNAMIC)' \
 		$(foreach model,$(SLOW_ATEN),--deselect '$(NATIVE_REAL)[$(model)-aten]') \
-		$(foreach model,$(SLOW_PLAN),--deselect '$(PLAN_REAL)[$(model)]')
+		$(foreach model,$(SLOW_PLAN),--deselect '$(PLAN_REAL)[$(model)]') \
+		$(foreach case,$(SLOW_FUZZ),--deselect '$(FUZZ)::$(case)') --deselect '$(SLOW_COMPAT)' --deselect '$(NATIVE_BATCH)'
 	$(PY) -m pytest -q $(LAYERS)
 
 test-slow: $(STAMP) $(NEWEST_STAMP)
 	$(PY) -m pytest -q $(XDIST) --dist load $(foreach mode,$(SLOW_LOOP_MODES),'$(LOOP)[$(mode)]') \
 		$(foreach case,$(SLOW_SPMD),'$(SPMD)[$(case)]') \
 		$(foreach model,$(SLOW_INDUCTOR),'$(NATIVE_REAL)[$(model)-inductor]') '$(NATIVE_DYNAMIC)' \
-		$(foreach model,$(SLOW_ATEN),'$(NATIVE_REAL)[$(model)-aten]') $(foreach model,$(SLOW_PLAN),'$(PLAN_REAL)[$(model)]')
+		$(foreach model,$(SLOW_ATEN),'$(NATIVE_REAL)[$(model)-aten]') $(foreach model,$(SLOW_PLAN),'$(PLAN_REAL)[$(model)]') \
+		$(foreach case,$(SLOW_FUZZ),'$(FUZZ)::$(case)') '$(SLOW_COMPAT)' '$(NATIVE_BATCH)'
 	XLA_COMPILATION_CACHE_SIZE=256 $(PY) -m pytest -q $(XDIST) --dist loadgroup $(foreach case,$(SLOW_XLA_REAL),'$(XLA_REAL)[$(case)]')
 	$(PY) -m pytest -q $(XDIST) --dist loadgroup $(DDP_REAL) $(DDP_WORLD4) '$(DDP_SEQUENCES4)'
-	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadgroup $(foreach model,$(SLOW_INDUCTOR_NEWEST),'$(NATIVE_REAL)[$(model)-inductor]') \
+	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadgroup $(foreach model,$(SLOW_INDUCTOR_NEWEST),'$(NATIVE_REAL)[$(model)-inductor]') '$(NATIVE_DYNAMIC)' \
 		$(foreach model,$(SLOW_DDP_REAL_NEWEST),'$(DDP_REAL)::test_real_model_under_ddp_equals_eager_ddp[$(model)]')
 
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__, "(no torch_xla)")'
 	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadgroup --durations=10 tests \
-		$(foreach model,$(SLOW_INDUCTOR_NEWEST),--deselect '$(NATIVE_REAL)[$(model)-inductor]') \
+		$(foreach model,$(SLOW_INDUCTOR_NEWEST),--deselect '$(NATIVE_REAL)[$(model)-inductor]') --deselect '$(NATIVE_DYNAMIC)' \
 		$(foreach model,$(SLOW_DDP_REAL_NEWEST),--deselect '$(DDP_REAL)::test_real_model_under_ddp_equals_eager_ddp[$(model)]')
 
 # Differential fuzzing of the XLA path against eager PyTorch (about 1 s a scenario).
