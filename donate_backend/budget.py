@@ -11,12 +11,16 @@ Under a ``memory_limit`` (``partition(..., fit=True)``) it tries the budget in
 force, then smaller shares (``SHARES``), predicting each candidate's step peak
 from its forward and backward (``native.memory`` replays them; the XLA path
 passes ``xla.memory.predict_step``), and keeps the first that fits: the least recomputation
-that fits. When none does it raises ``MemoryLimitError`` before anything runs,
-with the least bytes any candidate needs.
+that fits. Where the path gives an ``offload`` lever for the graph (the native
+path on CUDA, ``native.offload.lever``), each budget is tried as it is, then
+with the saved activations offloaded to host memory, before the next smaller
+budget: offloading recomputes nothing. When none fits it raises
+``MemoryLimitError`` before anything runs, with the least bytes any candidate needs.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from typing import Optional
@@ -56,11 +60,13 @@ class MemoryLimitError(DonateXlaError):
         self.least_bytes = least_bytes  # the least any candidate plan was predicted to need
 
 
-def partition(min_cut, *args, fit: bool = False, predict_step=None, **kwargs):
+def partition(min_cut, *args, fit: bool = False, predict_step=None, offload=None, **kwargs):
     """Min-cut under the activation budget in force (``DONATE_XLA_ACTIVATION_BUDGET``),
     or, with ``fit`` and a ``memory_limit``, under the first budget that fits it.
     ``predict_step(fw_module, bw_module, num_forward_outputs) -> (peak, parts)``
     predicts a candidate's step (default: the native replay, ``native.memory``).
+    ``offload(joint)``: None, or a wrapper of a partition function that offloads the
+    saved activations (``native.offload.lever``), tried under a limit.
 
     Below 1.0, aot_autograd's memory-budget partitioning saves only that share
     of the activations (by its own estimate) and recomputes the rest in the
@@ -70,37 +76,53 @@ def partition(min_cut, *args, fit: bool = False, predict_step=None, **kwargs):
     if fit and settings.memory_limit is not None:
         if predict_step is None:
             from .native.memory import predict_step
-        return _fit(min_cut, settings, predict_step, *args, **kwargs)
+        return _fit(min_cut, settings, predict_step, *args, offload=offload, **kwargs)
     return _partition_at(settings.activation_budget, min_cut, *args, **kwargs)
 
 
-def _fit(min_cut, settings, predict_step, joint, *args, **kwargs):
+OFFLOADED = "+offload"  # a candidate's label: its saved activations offloaded to host memory
+
+
+def _fit(min_cut, settings, predict_step, joint, *args, offload=None, **kwargs):
     limit = settings.memory_limit
     started = time.perf_counter()
-    tried = []
+    offloading = offload(joint) if offload is not None else None
+    tried = []  # (label, peak, parts)
     shares = [s for s in SHARES if s <= settings.activation_budget] or [settings.activation_budget]
-    for share in shares:
+    candidates = [(share, off) for share in shares for off in ((False, True) if offloading else (False,))]
+    for share, off in candidates:
         candidate = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))  # meta values shared
-        fw_module, bw_module = _partition_at(share, min_cut, candidate, *args, **kwargs)
+        partition_fn = functools.partial(_partition_at, share, min_cut)
+        if off:
+            partition_fn = offloading(partition_fn)
+        fw_module, bw_module = partition_fn(candidate, *args, **kwargs)
         bw_module.meta[SHARE_META] = share
         peak, parts = predict_step(fw_module, bw_module, kwargs.get("num_fwd_outputs"))
-        tried.append((share, peak, parts))
+        label = f"{share:g}{OFFLOADED if off else ''}"
+        tried.append((label, peak, parts))
         if peak <= limit:
+            moved = ""
+            if off:
+                from .native.offload import offloaded_bytes
+
+                moved = (f" with {_mib(offloaded_bytes(fw_module))} of saved activations offloaded to host "
+                         "memory (copied out after the forward and back for the backward, each step)")
             fw_module.meta[CHOICE_META] = (
-                f"activation budget {share:g} chosen under memory_limit {_mib(limit)} "
-                f"(predicted step peak {_mib(peak)}; tried {', '.join(f'{s:g}: {_mib(p)}' for s, p, _ in tried)})"
+                f"activation budget {share:g}{moved} chosen under memory_limit {_mib(limit)} "
+                f"(predicted step peak {_mib(peak)}; tried {', '.join(f'{s}: {_mib(p)}' for s, p, _ in tried)})"
             )
             fw_module.meta[PLAN_SECONDS_META] = time.perf_counter() - started
             fw_module.meta[PLANNED_PEAK_META] = peak
             return fw_module, bw_module
-    share, least, parts = min(tried, key=lambda t: t[1])
+    label, least, parts = min(tried, key=lambda t: t[1])
     largest = ", ".join(f"{c} {_mib(b)}" for c, b in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if b > 0)
+    offloaded = " (+offload: saved activations offloaded to host memory)" if offloading else ""
     raise MemoryLimitError(
         f"donate_xla: this graph's training step needs at least {_mib(least)} ({least} bytes, the "
-        f"least of the activation budgets tried: {', '.join(f'{s:g}: {_mib(p)}' for s, p, _ in tried)}; "
-        f"at {share:g}), but memory_limit is {_mib(limit)} ({limit} bytes); largest at the peak: "
-        f"{largest}. Nothing has run. Raise the limit, or lower what the step holds (a smaller "
-        "batch, fewer parameters on this device).",
+        f"least of the activation budgets tried{offloaded}: "
+        f"{', '.join(f'{s}: {_mib(p)}' for s, p, _ in tried)}; at {label}), but memory_limit is "
+        f"{_mib(limit)} ({limit} bytes); largest at the peak: {largest}. Nothing has run. Raise the "
+        "limit, or lower what the step holds (a smaller batch, fewer parameters on this device).",
         least_bytes=least,
     )
 

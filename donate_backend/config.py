@@ -47,8 +47,10 @@ class Settings:
     memory_limit: Optional[int] = None
     # DONATE_XLA_OFFLOAD_SAVED: native path, torch's own activation offloading (its
     # partitioner copies the activations the backward needs to host memory after their last
-    # forward use, and back before their first backward use); needs a torch that has it
-    offload_saved: bool = False
+    # forward use, and back before their first backward use); needs a torch that has it.
+    # None (unset): only where a memory_limit on CUDA needs it (``native.offload.lever``);
+    # 0: never; 1: always
+    offload_saved: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.native_compiler not in _NATIVE_COMPILERS:

@@ -191,6 +191,65 @@ def test_offloaded_activations_leave_the_device_between_forward_and_backward_on_
 
 
 @pytest.mark.parametrize("executor", ["aten", "inductor"])
+def test_a_memory_limit_offloads_before_it_recomputes_on_cuda(executor, monkeypatch):
+    """A ``memory_limit`` between the step's predicted peak with its saved activations offloaded
+    and without: the limit offloads at the full activation budget (nothing recomputed), the
+    step peaks (``max_memory_allocated``) within 10% of its plan and below the same step
+    without the limit, and the gradients equal eager's."""
+    from donate_backend.native import compat, memory
+
+    if compat.activation_offloading(on_cuda=True) is None:
+        pytest.skip(f"torch {torch.__version__} has no activation offloading")
+    predicted, predict = {}, memory.predict_step
+
+    def recording(fw_module, bw_module, forward_returns=None):
+        peak, parts = predict(fw_module, bw_module, forward_returns)
+        offloaded = any(n.name.startswith("cpu_offload_") for n in fw_module.graph.nodes)
+        predicted.setdefault(offloaded, peak)  # the first candidate of each kind: budget 1
+        return peak, parts
+
+    monkeypatch.setattr(memory, "predict_step", recording)
+    torch.manual_seed(0)
+    eager = _mlp(2048, 8).to(CUDA)
+    x = torch.randn(512, 2048, device=CUDA)
+    _, expected = _peak_and_grads(eager, eager, x)
+    peaks = {}
+    for limit in (1, None):  # 1 byte: every candidate predicted, then refused
+        torch._dynamo.reset()
+        ours = copy.deepcopy(eager)
+        run = torch.compile(ours, backend="donate_xla", options={"native_compiler": executor, "memory_limit": limit})
+        if limit == 1:
+            with pytest.raises(Exception, match="memory_limit"):
+                run(x)
+            continue
+        peaks["no limit"] = _peak_and_grads(ours, run, x)[0]
+    assert predicted[True] < predicted[False], predicted
+    limit = (predicted[True] + predicted[False]) // 2
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    ours = copy.deepcopy(eager)
+    run = torch.compile(ours, backend="donate_xla", options={"native_compiler": executor, "memory_limit": limit})
+    for _ in range(3):
+        ours.zero_grad(set_to_none=True)
+        run(x).square().mean().backward()
+    ours.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    growth = cuda_peak_bytes(lambda: run(x).square().mean().backward())
+    got = [p.grad.clone() for p in ours.parameters()]
+    (record,) = [r for r in donate_backend.reports() if r.budget_choice]
+    plan = donate_backend.memory_plan(workspaces=False)
+    print(f"\nMLP 8 x 2048, batch 512 [{executor}, cuda]: limit {limit / MIB:.1f} MiB; {record.budget_choice}; "
+          f"plan {plan.peak_bytes / MIB:.1f} MiB; measured {(resident + growth) / MIB:.1f} MiB "
+          f"(no limit: {(resident + peaks['no limit']) / MIB:.1f} MiB)")
+    assert record.budget_choice.startswith("activation budget 1 with "), record.budget_choice
+    assert abs(resident + growth - plan.peak_bytes) <= 0.1 * plan.peak_bytes
+    assert growth < peaks["no limit"]
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("executor", ["aten", "inductor"])
 def test_retain_graph_inputs_and_hooks_match_eager_on_cuda(executor):
     """Two backwards through one retained graph (gradients accumulate; the reusing backward
     must not run while the graph is kept), a gradient hook, then ``backward(inputs=)``

@@ -114,8 +114,113 @@ def test_offload_guard(monkeypatch):
 
 def test_offload_switch_from_the_environment():
     assert config.settings_from_env({"DONATE_XLA_OFFLOAD_SAVED": "1"}).offload_saved is True
-    assert config.settings_from_env({}).offload_saved is False
+    assert config.settings_from_env({"DONATE_XLA_OFFLOAD_SAVED": "0"}).offload_saved is False
+    assert config.settings_from_env({}).offload_saved is None  # unset: a memory limit on CUDA may choose it
     donate_backend.clear_reports()
+
+
+def _fake_graph(device: str) -> torch.fx.GraphModule:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        return make_fx(lambda x: torch.tanh(x) * 2)(torch.empty(8, 8, device=device))
+
+
+def test_a_memory_limit_may_offload_only_on_cuda_with_the_switch_unset():
+    """The lever exists where host memory is not the device's (a graph on CUDA; fake tensors,
+    no GPU needed), on a torch that offloads, and only while ``offload_saved`` is unset:
+    0 forbids it, 1 offloads every graph anyway."""
+    from donate_backend.native import offload
+
+    on_cuda, on_cpu = _fake_graph("cuda"), _fake_graph("cpu")
+    assert offload.lever(on_cpu) is None
+    assert offload.lever(on_cuda) is (offload.partition_offloading if HAS_OFFLOADING else None)
+    for forced in (False, True):
+        with config.patch(offload_saved=forced):
+            assert offload.lever(on_cuda) is None
+
+
+def _as_on_a_device(monkeypatch):
+    """Plan as on a GPU, where a saved activation's copy in host memory takes no device memory
+    (what ``native.memory`` does for a graph on CUDA), for the CPU graphs here: torch's
+    offloaded copies (``cpu_offload_*``) count no bytes, in each candidate's prediction and in
+    the step's plan. Returns the candidates predicted, as (label, peak) pairs."""
+    from donate_backend import budget
+    from donate_backend.native import memory
+
+    predicted = []
+    predict, keys = memory.predict_step, memory._keys
+
+    def predict_step(fw_module, bw_module, forward_returns=None):
+        peak, parts = predict(fw_module, bw_module, forward_returns)
+        share = bw_module.meta[budget.SHARE_META]
+        predicted.append((f"{share:g}{budget.OFFLOADED if _device_puts_of(fw_module) else ''}", peak))
+        return peak, parts
+
+    monkeypatch.setattr(memory, "_keys", lambda node: [] if node.name.startswith("cpu_offload_") else keys(node))
+    monkeypatch.setattr(memory, "predict_step", predict_step)
+    return predicted
+
+
+def _device_puts_of(gm) -> list:
+    return [n for n in gm.graph.nodes if n.target == torch.ops.prims.device_put.default]
+
+
+@needs_offloading
+def test_under_a_memory_limit_offloading_comes_before_recomputation(monkeypatch):
+    """With host memory apart from the device's (as on CUDA: ``offload.lever`` made to answer as
+    there, copies counted as there), a limit between the step's peak with its activations
+    offloaded and without is met by offloading at the full activation budget, before any
+    smaller budget; the offloaded graphs run with values equal to eager over 3 steps. With
+    ``offload_saved`` 0 the same limit recomputes instead."""
+    from donate_backend import budget
+    from donate_backend.budget import MemoryLimitError
+    from donate_backend.native import offload
+
+    unset = lambda joint: config.current().offload_saved is None  # noqa: E731 (as ``lever`` on CUDA)
+    monkeypatch.setattr(offload, "lever", lambda joint: offload.partition_offloading if unset(joint) else None)
+    predicted = _as_on_a_device(monkeypatch)
+    eager_model = _mlp()
+    expected = _train(eager_model, eager_model)
+
+    torch._dynamo.reset()  # every candidate, predicted: none fits 1 byte
+    model = _mlp()
+    with pytest.raises(Exception) as caught:
+        _train(model, torch.compile(model, backend="donate_xla", options={"memory_limit": 1}))
+    assert isinstance(getattr(caught.value, "inner_exception", caught.value), MemoryLimitError)
+    peaks = dict(predicted)
+    assert list(peaks)[:3] == ["1", "1+offload", "0.7"], peaks
+    assert peaks["1+offload"] < peaks["1"], peaks
+    limit = (peaks["1+offload"] + peaks["1"]) // 2
+
+    def train(switch):
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
+        model = _mlp()
+        run = torch.compile(model, backend="donate_xla", options={"memory_limit": limit, "offload_saved": switch})
+        (losses, params), built = _graphs_built(lambda: _train(model, run))
+        assert losses == pytest.approx(expected[0], rel=1e-6, abs=1e-7)
+        for got, want in zip(params, expected[1]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        (record,) = [r for r in donate_backend.reports() if r.budget_choice]
+        forward = next(g for g in built if g.ctx.kind == "forward")
+        return record.budget_choice, _device_puts(forward)
+
+    choice, copies = train(None)
+    print(f"\nMLP 64-256-256-8, batch 32, host copies counted as on a GPU: {choice}")
+    assert choice.startswith("activation budget 1 with ") and "offloaded to host memory" in choice, choice
+    assert copies
+    # offloading forbidden: the first smaller budget that fits, or a refusal before the step runs
+    recomputing = [label for label, peak in peaks.items() if not label.endswith(budget.OFFLOADED) and peak <= limit]
+    if recomputing:
+        choice, copies = train(False)
+        assert choice.startswith(f"activation budget {recomputing[0]} chosen"), choice
+        assert not copies
+    else:
+        with pytest.raises(Exception) as caught:
+            train(False)
+        assert isinstance(getattr(caught.value, "inner_exception", caught.value), MemoryLimitError)
 
 
 def test_the_replay_of_a_graph_on_a_device_counts_no_bytes_for_its_host_copies():

@@ -37,7 +37,8 @@ def aot_options() -> dict:
     saved 15 to 30% of the forward+backward peak on the HF models. Either
     executor's partitioner runs under the activation budget in force, or
     under a ``memory_limit`` the first budget whose step fits it
-    (``budget.partition``).
+    (``budget.partition``), on CUDA each budget with and without the saved
+    activations offloaded (``offload.lever``).
     """
     from . import compat
 
@@ -46,11 +47,13 @@ def aot_options() -> dict:
     else:
         options = compat.aten_aot_options()
     if "partition_fn" in options:
-        options["partition_fn"] = functools.partial(budget.partition, options["partition_fn"], fit=True)
-        if config.current().offload_saved:  # torch's own activation offloading (``offload``)
-            from .offload import partition_offloading
+        from . import offload
 
-            options["partition_fn"] = partition_offloading(options["partition_fn"])
+        options["partition_fn"] = functools.partial(
+            budget.partition, options["partition_fn"], fit=True, offload=offload.lever
+        )
+        if config.current().offload_saved:  # torch's own activation offloading (``offload``)
+            options["partition_fn"] = offload.partition_offloading(options["partition_fn"])
     return options
 
 

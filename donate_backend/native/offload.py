@@ -18,16 +18,29 @@ a new tensor, freed at its last use).
 
 torch 2.9 has no activation offloading: ``offload_saved`` is refused there
 (``check_available``).
+
+With ``offload_saved`` unset, a ``memory_limit`` may choose it (``lever``): on
+CUDA, where host memory is not the device's, ``budget.partition`` tries each
+activation budget as it is, then with the saved activations offloaded, before a
+smaller budget. Offloading recomputes nothing and its copies overlap compute on
+their own stream, so at one budget it comes before more recomputation; it costs
+host memory and PCIe bandwidth, which the plan's choice names in bytes. The
+CPU has no lever (nothing to save), nor has the meta device a step is planned
+on for a GPU (its copies to the host cannot run there).
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
+from .. import config
 from ..errors import DonateXlaError
 from . import compat
+
+# the ops by which torch's offloading copies a saved activation to the host
+_OFFLOAD_OPS = ("device_put", "offload")
 
 
 def check_available(graph_id: int) -> None:
@@ -62,3 +75,27 @@ def partition_offloading(partition_fn: Callable) -> Callable:
             return partition_fn(joint, *args, **kwargs)
 
     return partition
+
+
+def lever(joint: torch.fx.GraphModule) -> Optional[Callable]:
+    """``partition_offloading`` where a memory limit may offload the saved activations of
+    ``joint``: ``offload_saved`` unset, the graph on CUDA, and a torch that offloads.
+    Else None (see the module docstring)."""
+    if config.current().offload_saved is not None or not _on_cuda(joint):
+        return None
+    if compat.activation_offloading(on_cuda=True) is None:
+        return None
+    return partition_offloading
+
+
+def offloaded_bytes(fw_module: torch.fx.GraphModule) -> int:
+    """Bytes of saved activations a partitioned forward copies to host memory."""
+    from .memory import nbytes
+
+    total = 0
+    for node in fw_module.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "_opname", None) in _OFFLOAD_OPS:
+            value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+            if isinstance(value, torch.Tensor):
+                total += nbytes(value)
+    return total
