@@ -13,9 +13,11 @@ import torch
 import donate_backend
 from donate_backend.analysis.aliasing import storage_address
 from donate_backend.budget import MemoryLimitError
+from donate_backend.native import compat
 from test_memory_plan import _six_layers, _whole_step
 
 MIB = 2**20
+HAS_OFFLOADING = compat.activation_offloading(on_cuda=False) is not None
 
 
 def _train(model, x, steps, options=None):
@@ -69,13 +71,14 @@ def test_a_step_traced_on_the_meta_device_is_planned_as_on_the_cpu():
 def test_a_memory_limit_on_the_meta_device_is_fitted_or_refused_before_a_gpu_is_needed():
     """A limit below the default step is met on meta tensors by planning the graph again
     with Adam's state counted (the choice says so); one no plan meets is refused at the
-    third call with the bytes the step needs, as it would be on the device."""
+    third call with the bytes the step needs, as it would be on the device. Offloading is
+    kept out (``offload_saved`` 0): it would meet both limits (next test)."""
     x = torch.randn(2048, 512, device="meta")
     _train(_six_layers().to("meta"), x, 3)
     default = donate_backend.memory_plan()
     limit = default.peak_bytes - 6 * MIB
 
-    _train(_six_layers().to("meta"), x, 3, {"memory_limit": limit})
+    _train(_six_layers().to("meta"), x, 3, {"memory_limit": limit, "offload_saved": False})
     fitted = donate_backend.memory_plan()
     print(f"\nlimit {limit / MIB:.1f} MiB\n{fitted.as_text()}")
     assert fitted.peak_bytes <= limit < default.peak_bytes
@@ -83,7 +86,39 @@ def test_a_memory_limit_on_the_meta_device_is_fitted_or_refused_before_a_gpu_is_
     assert "planned again after 2 steps" in choice
 
     with pytest.raises(MemoryLimitError) as refused:
-        _train(_six_layers().to("meta"), x, 3, {"memory_limit": "50MiB"})
+        _train(_six_layers().to("meta"), x, 3, {"memory_limit": "50MiB", "offload_saved": False})
     assert refused.value.least_bytes > 50 * MIB
     assert "memory_limit is 50.0 MiB" in str(refused.value)
 
+
+
+@pytest.mark.skipif(not HAS_OFFLOADING, reason=f"torch {torch.__version__} has no activation offloading")
+def test_on_the_meta_device_a_memory_limit_offloads_as_on_a_gpu():
+    """Planning for a GPU on meta tensors, a limit that recomputation alone cannot meet but
+    offloading the saved activations can is met as it would be on CUDA: the activations go to
+    host memory (the copies run as meta tensors there), the step's plan is within the limit,
+    and with ``offload_saved`` 0 the same limit is refused or recomputes."""
+    x = torch.randn(2048, 512, device="meta")
+    _train(_six_layers().to("meta"), x, 3, {"offload_saved": False})
+    default = donate_backend.memory_plan()
+    _train(_six_layers().to("meta"), x, 3, {"offload_saved": True})
+    offloaded = donate_backend.memory_plan()
+    print(f"\ndefault {default.peak_bytes / MIB:.1f} MiB, every activation offloaded {offloaded.peak_bytes / MIB:.1f} MiB")
+    assert offloaded.peak_bytes < default.peak_bytes
+    limit = (offloaded.peak_bytes + default.peak_bytes) // 2
+
+    _train(_six_layers().to("meta"), x, 3, {"memory_limit": limit})
+    fitted = donate_backend.memory_plan()
+    (choice,) = [c for c in fitted.choices if "chosen under memory_limit" in c]
+    print(f"limit {limit / MIB:.1f} MiB: {choice}")
+    assert fitted.peak_bytes <= limit
+    assert "offloaded to host memory" in choice
+
+    try:
+        _train(_six_layers().to("meta"), x, 3, {"memory_limit": limit, "offload_saved": False})
+    except MemoryLimitError as refused:
+        assert refused.least_bytes > limit
+    else:
+        recomputed = donate_backend.memory_plan()
+        (choice,) = [c for c in recomputed.choices if "chosen under memory_limit" in c]
+        assert "offloaded" not in choice and recomputed.peak_bytes <= limit

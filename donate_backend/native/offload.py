@@ -25,8 +25,11 @@ activation budget as it is, then with the saved activations offloaded, before a
 smaller budget. Offloading recomputes nothing and its copies overlap compute on
 their own stream, so at one budget it comes before more recomputation; it costs
 host memory and PCIe bandwidth, which the plan's choice names in bytes. The
-CPU has no lever (nothing to save), nor has the meta device a step is planned
-on for a GPU (its copies to the host cannot run there).
+CPU has no lever (nothing to save). The meta device, on which a step is planned
+for a GPU, has it as CUDA does, so that the plan made there chooses what the
+GPU would; a meta tensor cannot be copied to the host, so on meta each copy
+(``prims.device_put``) runs as ``meta_host_copy``, a meta tensor of the same
+shape, while the graph's values keep the host device the plan counts.
 """
 from __future__ import annotations
 
@@ -55,12 +58,31 @@ def check_available(graph_id: int) -> None:
         )
 
 
-def _on_cuda(joint: torch.fx.GraphModule) -> bool:
+def _on(joint: torch.fx.GraphModule, device_type: str) -> bool:
     for node in joint.graph.find_nodes(op="placeholder"):
         value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+        if isinstance(value, torch.Tensor) and value.device.type == device_type:
             return True
     return False
+
+
+def _on_cuda(joint: torch.fx.GraphModule) -> bool:
+    return _on(joint, "cuda")
+
+
+def meta_host_copy(value: torch.Tensor, device, non_blocking: bool = False) -> torch.Tensor:
+    """What a copy to or from the host runs as on the meta device: a meta tensor like
+    ``value`` (no data to copy; the plan counts the graph's own values)."""
+    return torch.empty_like(value, device="meta")
+
+
+def _runnable_on_meta(*modules: torch.fx.GraphModule) -> None:
+    for gm in modules:
+        copies = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.prims.device_put.default]
+        for node in copies:
+            node.target = meta_host_copy
+        if copies:
+            gm.recompile()
 
 
 def partition_offloading(partition_fn: Callable) -> Callable:
@@ -72,16 +94,19 @@ def partition_offloading(partition_fn: Callable) -> Callable:
             if node.op == "call_function":
                 node.meta["should_offload"] = True
         with compat.activation_offloading(on_cuda=_on_cuda(joint)):
-            return partition_fn(joint, *args, **kwargs)
+            fw_module, bw_module = partition_fn(joint, *args, **kwargs)
+        if _on(joint, "meta"):
+            _runnable_on_meta(fw_module, bw_module)
+        return fw_module, bw_module
 
     return partition
 
 
 def lever(joint: torch.fx.GraphModule) -> Optional[Callable]:
     """``partition_offloading`` where a memory limit may offload the saved activations of
-    ``joint``: ``offload_saved`` unset, the graph on CUDA, and a torch that offloads.
-    Else None (see the module docstring)."""
-    if config.current().offload_saved is not None or not _on_cuda(joint):
+    ``joint``: ``offload_saved`` unset, the graph on CUDA (or on the meta device, planning
+    for one), and a torch that offloads. Else None (see the module docstring)."""
+    if config.current().offload_saved is not None or not (_on_cuda(joint) or _on(joint, "meta")):
         return None
     if compat.activation_offloading(on_cuda=True) is None:
         return None
@@ -94,7 +119,9 @@ def offloaded_bytes(fw_module: torch.fx.GraphModule) -> int:
 
     total = 0
     for node in fw_module.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "_opname", None) in _OFFLOAD_OPS:
+        if node.op == "call_function" and (
+            getattr(node.target, "_opname", None) in _OFFLOAD_OPS or node.target is meta_host_copy
+        ):
             value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
             if isinstance(value, torch.Tensor):
                 total += nbytes(value)
