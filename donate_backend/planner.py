@@ -28,6 +28,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from . import report
 from .analysis.aliasing import storage_address
 from .errors import DonateXlaError
+from .native import compat as native_compat
 from .native import memory as native_memory
 from .native import workspace
 
@@ -335,13 +336,17 @@ def memory_plan(
     # that graph's output (logits read by a loss compiled separately), not resident.
     # (Optimizer state a first step's graph returned is resident all the same.)
     returned = set().union(*(r.returned for r in native))
+    # what code run eagerly made in the step (``GraphRecord.eager_saved``), which a graph
+    # that reads it does not hold between steps; a graph's output is that graph's
+    eager_made = {key for r in native for key, _ in r.eager_saved} - returned
     ordered = _step_order(native)
     seen: set = set()
     resident: Dict[str, int] = {c: 0 for c in CATEGORIES}
     for r in {id(r): r for r in ordered}.values():
         for role, storage, nbytes in r.held_inputs:
             category = _ROLE_CATEGORY.get(role)
-            if category is None or storage in seen or (role == "other" and storage in returned):
+            made_in_step = storage in returned or storage in eager_made
+            if category is None or storage in seen or (role == "other" and made_in_step):
                 continue  # gradients come from the backward that makes them
             seen.add(storage)
             resident[category] += nbytes
@@ -359,8 +364,21 @@ def memory_plan(
     if as_stitched and path == "xla" and not any(r.backward_segments for r in records):
         ordered = [dataclasses.replace(r, stitched=True) for r in ordered]
     consumers = _gradient_consumers(ordered)
+    # What code run eagerly before a forward saved for the backward (native path): held
+    # from that forward's first run in the step until its last backward has run (the
+    # eager ops' backward runs right after it), each storage counted once.
+    eager_of: Dict[int, int] = {}
+    eager_seen: set = set()
+    last_backward = {r.graph_id: position for position, r in enumerate(ordered) if r.kind == "backward"}
     for position, r in enumerate(ordered):
         m = r.memory
+        if r.kind == "forward" and r.eager_saved and r.graph_id not in eager_of:
+            fresh = {key: nbytes for key, nbytes in r.eager_saved
+                     if key in eager_made and key not in seen and key not in eager_seen}
+            eager_seen.update(fresh)
+            eager_of[r.graph_id] = sum(fresh.values())
+            carried[native_memory.ACTIVATIONS] += eager_of[r.graph_id]
+            level += eager_of[r.graph_id]
         if m.kind == "backward" and r.outputs_held is not None:
             # Forward outputs the caller had dropped when this backward first ran
             # (``loss = f(x).sum()`` keeps no output; an HF model's output object keeps all).
@@ -423,6 +441,9 @@ def memory_plan(
         passed += m.passed_grad_bytes
         if m.kind == "backward":
             returned_dropped = r.outputs_dropped or 0
+            if last_backward.get(r.graph_id) == position and eager_of.get(r.graph_id):
+                carried[native_memory.ACTIVATIONS] -= eager_of[r.graph_id]
+                level -= eager_of[r.graph_id]
         planned.append(PlannedGraph(r.name, start, graph_peak, level, tuple(at_peak.items())))
     # (a backward split into segments is planned through its segments' records)
     unplanned = [r.name for r in records
@@ -457,13 +478,21 @@ def memory_plan(
         if any(r.backward_segments for r in records):
             notes.append("backward segments: each segment counted as a backward of its own (approximate)")
     forwards = sum(r.kind == "forward" for r in ordered)
+    if forwards > 1 and path != "xla" and not native_compat.reads_saved_tensors():
+        notes.append(
+            f"torch {native_compat.torch_version()} cannot read what eager autograd saved without "
+            "unpacking it (which could rerun a checkpointed region): the activations that eager code "
+            "between the graphs saves are not counted"
+        )
     if forwards > 1:
         notes.append(
             f"the step's forward runs {forwards} compiled graphs (graph breaks): the code between them "
             + ("runs in torch_xla's lazy mode, outside any compiled graph, and what it holds until "
                "the next torch_xla.sync() is not counted" if path == "xla" else
-               "runs eagerly, and what it allocates (the activations its own autograd saves "
-               "included) is not counted")
+               "runs eagerly: what it passes to a graph and what its own autograd saves for the "
+               f"backward are counted ({sum(eager_of.values()) / 1024:.1f} KiB, as activations held "
+               "until that graph's backward, seen on each graph's first call; none that "
+               "saved-tensor hooks packed), its other allocations are not")
         )
     return MemoryPlan(
         peak_bytes=peak,

@@ -111,6 +111,9 @@ class GraphRecord:
     # mixture of experts' routing); None until a backward ran right after it
     # (``native.memory.DroppedOutputs``)
     outputs_dropped: Optional[int] = None
+    # native forward: ``(storage, bytes)`` of what eager code run before it saved for its
+    # backward, as its first call found them (``native.memory.eager_saved``)
+    eager_saved: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
     @property
     def name(self) -> str:

@@ -263,3 +263,57 @@ def test_inductor_config_patch_sets_and_restores():
     with compat.inductor_config_patch(fx_graph_cache=not before):
         assert inductor_config.fx_graph_cache == (not before)
     assert inductor_config.fx_graph_cache == before
+
+
+READS_SAVED = compat.reads_saved_tensors()
+
+
+@pytest.mark.skipif(not READS_SAVED, reason="this torch's saved-variable handles cannot be read unpacked")
+def test_saved_by_eager_autograd_walks_eager_nodes_and_stops_at_compiled_graphs():
+    """tanh saves its output and exp its output; the walk from their result finds both, each
+    once through a diamond (a node reached twice is one node), and stops at a compiled graph's
+    backward node: what that graph saved is its own."""
+    w = torch.randn(8, 8, requires_grad=True)
+    t = torch.tanh(w * 1)
+    e = t.exp()
+    both = e + e.sin()  # e reached twice
+    found = compat.saved_by_eager_autograd([both])
+    assert any(torch.equal(f, t) for f in found if f.shape == t.shape)
+    assert sum(torch.equal(f, e) for f in found if f.shape == e.shape) == 2  # exp's result, sin's input
+
+    compiled = torch.compile(lambda x: torch.tanh(x) * 3, backend="donate_xla")
+    out = torch.cos(compiled(w))
+    names = {f.data_ptr() for f in compat.saved_by_eager_autograd([out])}
+    assert len(names) == 1  # cos's input only: the compiled graph's saved tanh is not eager's
+
+
+def test_saved_by_eager_autograd_never_unpacks_what_hooks_packed():
+    """A checkpointed region's saved tensors are packed by its hooks: reading them would
+    recompute the region. They are skipped (on every torch), the region runs once in the
+    forward, and the backward is eager's."""
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.randn(8, 8, requires_grad=True)
+    calls = []
+
+    def region(x):
+        calls.append(1)
+        return torch.tanh(x @ w).exp()
+
+    out = checkpoint(region, torch.randn(4, 8), use_reentrant=False)
+    assert compat.saved_by_eager_autograd([out]) == []
+    assert len(calls) == 1
+    out.sum().backward()
+    assert len(calls) == 2 and w.grad is not None
+    with torch.autograd.graph.save_on_cpu():
+        saved_on_cpu = torch.tanh(w * 2)
+    # tanh's result went through the hooks (only the product's scalar 2 did not)
+    assert not [f for f in compat.saved_by_eager_autograd([saved_on_cpu]) if f.shape == saved_on_cpu.shape]
+
+
+def test_saved_by_eager_autograd_finds_nothing_where_nodes_hide_what_they_saved(monkeypatch):
+    """A torch whose autograd nodes have no saved-variable handles: nothing is found (the
+    memory plan then counts only what eager code passes to a graph)."""
+    monkeypatch.setattr(compat, "_SAVED_PREFIX", "_no_such_prefix_")
+    w = torch.randn(8, 8, requires_grad=True)
+    assert compat.saved_by_eager_autograd([torch.tanh(w).exp()]) == []

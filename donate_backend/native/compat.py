@@ -39,6 +39,14 @@ directly. Every guard has a test that removes the API by monkeypatching
   does not); on CUDA with its separate copy stream, its waits sunk and its
   reloads prefetched, where those settings exist. ``None`` when this torch has
   no activation offloading. ``torch_version()``: torch's version, for messages.
+- ``saved_by_eager_autograd(tensors)``: the tensors that eager autograd nodes hold
+  for the backward, found by walking the ``grad_fn`` graph back from ``tensors``
+  and stopping at compiled graphs' nodes (``CompiledFunctionBackward``). Each is
+  read from the node's ``_raw_saved_*`` handle (``SavedTensor.data``) without
+  unpacking it, and skipped where saved-tensor hooks packed it (its
+  ``unpack_hook``: unpacking would run them: a checkpointed region would be
+  recomputed, ``save_on_cpu`` would copy back). Empty where the handles have no
+  ``data`` and ``unpack_hook`` (torch 2.9), which cannot tell a hooked one apart.
 - ``as_boxed(fn)``: a function marked with ``_boxed_call``. In torch 2.13,
   ``GraphModule._boxed_call`` is read-only, so we never set it on a module;
   we always mark a plain function we own.
@@ -351,3 +359,54 @@ def inductor_config_patch(**changes):
     import torch._inductor.config as inductor_config
 
     return inductor_config.patch(**changes)
+
+
+_SAVED_PREFIX = "_raw_saved_"  # a grad_fn node's handles of what it saved
+
+
+def _packed_tensor(saved) -> Optional[torch.Tensor]:
+    """The tensor a saved-variable handle holds, read without unpacking it; None where
+    hooks packed it or this torch cannot tell (see above)."""
+    if not hasattr(saved, "unpack_hook") or not hasattr(saved, "data"):
+        return None
+    try:
+        if saved.unpack_hook is not None:
+            return None
+        data = saved.data
+    except Exception:  # noqa: BLE001  (released by a backward already)
+        return None
+    return data if isinstance(data, torch.Tensor) else None
+
+
+def reads_saved_tensors() -> bool:
+    """Whether this torch's saved-variable handles can be read without unpacking them
+    (``saved_by_eager_autograd`` finds nothing where they cannot)."""
+    handle = getattr(getattr(torch._C, "_autograd", None), "SavedTensor", None)
+    return handle is not None and all(hasattr(handle, name) for name in ("data", "unpack_hook"))
+
+
+def saved_by_eager_autograd(tensors) -> List[torch.Tensor]:
+    """See above."""
+    out: List[torch.Tensor] = []
+    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    visited = {}  # id -> node, kept alive: a wrapper freed early would hand its id to another
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited[id(node)] = node
+        if "CompiledFunction" in type(node).__name__:
+            continue  # a compiled graph's backward: its saved tensors are that graph's own
+        for name in dir(node):
+            if not name.startswith(_SAVED_PREFIX):
+                continue
+            try:
+                value = getattr(node, name)
+            except Exception:  # noqa: BLE001  (released already, or not a saved variable)
+                continue
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                tensor = _packed_tensor(item)
+                if tensor is not None:
+                    out.append(tensor)
+        stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
+    return out

@@ -145,7 +145,8 @@ class CompiledGraph:
     def _first_call(self, args: list, sizes: Optional[tuple] = None):
         """Run the graph for the first time, noting what the memory plan cannot know from
         the graph alone: when it first ran among all graphs; the storages it returns (a
-        forward's to the caller, a backward's gradients); for a backward, the bytes of the
+        forward's to the caller, a backward's gradients); for a forward, what code run
+        eagerly before it saved for the backward; for a backward, the bytes of the
         tangents it was given, how many of them an earlier backward returned (graph
         breaks: a later graph's input gradients), and how many bytes of each forward's
         outputs the caller still holds."""
@@ -158,6 +159,8 @@ class CompiledGraph:
                 args, predicted.tangent_indices, [r.output_storages for r in earlier]
             )
             self.record.outputs_held = memory.outputs_held(report.reports())
+        if self.ctx.kind == "forward":
+            self.record.eager_saved = memory.eager_saved(args)
         # the run empties ``args`` (boxed calling convention, so that a backward can free
         # what it was given): note the inputs' storages first, holding no tensor
         inputs = input_storages(args, self.ctx.captured) if self.ctx.kind != "backward" else None

@@ -40,7 +40,7 @@ import torch.fx
 from torch.utils._pytree import tree_leaves
 
 from ..analysis import liveness
-from ..analysis.aliasing import storage_key
+from ..analysis.aliasing import storage_address, storage_key
 from . import workspace
 
 # Categories of bytes (shared with ``donate_backend.planner``).
@@ -344,6 +344,28 @@ def tangent_bytes_of(args: Sequence, indices: Sequence[int]) -> int:
     """Bytes of the distinct storages behind the tangents a backward was called with
     (an expanded scalar, as ``sum().backward()`` passes, is a few bytes)."""
     return sum(size for _, size in storage_refs([args[i] for i in indices if i < len(args)]))
+
+
+def eager_saved(args: Sequence) -> Tuple[Tuple[object, int], ...]:
+    """``(storage, bytes)`` of what code run eagerly before a forward made in the step and
+    holds into the backward (an encoder's convolutions between graph breaks): the tensors
+    its autograd saved for the backward, reached from the forward's arguments, and the
+    arguments it computed (a tensor with a ``grad_fn``: not held between steps).
+    Parameters (resident) and host tensors of a graph on a device are left out."""
+    from . import compat
+
+    on_device = any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+    out: Dict[object, int] = {}
+    made = [a for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None]
+    for value in made + compat.saved_by_eager_autograd(args):
+        if isinstance(value, torch.nn.Parameter) or (value.is_leaf and value.requires_grad):
+            continue
+        if value.layout != torch.strided or (on_device and value.device.type == "cpu"):
+            continue
+        key = storage_address(value)
+        if key is not None and key not in out:
+            out[key] = nbytes(value)
+    return tuple(out.items())
 
 
 def size_sources(graph: torch.fx.Graph) -> Tuple[Tuple[int, Optional[int], object], ...]:
