@@ -47,7 +47,8 @@ NATIVE_MODELS = {
 PLAN_MODELS = {
     "bench1": NATIVE_MODELS["1"], "bench2": NATIVE_MODELS["2"], "bench3": NATIVE_MODELS["3"],
     "gpt2": "tiny GPT-2", "bert": "tiny BERT", "llama": "tiny Llama", "t5": "tiny T5", "bart": "tiny BART",
-    "mixtral": "tiny Mixtral", "resnet18": "resnet18", "convnext": "ConvNeXt", "swin": "Swin", "vit": "ViT",
+    "mixtral": "tiny Mixtral", "albert": "tiny ALBERT", "whisper": "tiny Whisper", "clip": "tiny CLIP",
+    "resnet18": "resnet18", "convnext": "ConvNeXt", "swin": "Swin", "vit": "ViT",
 }
 
 
@@ -262,6 +263,19 @@ def _plan_accuracy(results):
     header = ["model"] + [f"CPU, torch {label[5:]}: error (predicted / measured)" for label in columns]
     captions = [caption(results(name), f"torch {label[5:]}") for label, name in PLAN_FILES.items()]
     return "\n\n".join([table(header, rows)] + captions)
+
+
+@field("plan_accuracy.inductor")
+def _plan_inductor(results):
+    lines = []
+    for label, name in PLAN_FILES.items():
+        rows = [r for r in results.get(name, "results") if r["executor"] == "inductor"]
+        if rows:
+            lines.append(f"torch {label[5:]}: " + ", ".join(
+                f"{PLAN_MODELS.get(r['model'], r['model'])} {pct(r['error'])}" for r in rows))
+        else:
+            lines.append(f"torch {label[5:]}: not measured")
+    return "; ".join(lines)
 
 
 @field("plan_accuracy.largest")
