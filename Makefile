@@ -92,6 +92,10 @@ NATIVE_BATCH := tests/test_native_compiled.py::test_step_recompiled_for_a_changi
 SLOW_ATEN := bart mixtral t5
 PLAN_REAL := tests/test_memory_plan.py::test_plan_of_a_real_model_matches_the_measured_growth
 SLOW_PLAN := mixtral t5
+# and on the newest torch the memory plan on Mixtral and Whisper: the growth they are measured
+# against varies with what the test process ran before (Mixtral 0.260 to 0.268 MiB, Whisper
+# 0.191 to 0.274), which puts them across the 10% in some orders of the suite
+SLOW_PLAN_NEWEST := mixtral whisper
 # On XLA, every model trains compiled as a model and as a whole step (Mixtral: as a whole step
 # only), five of them stitched (GPT-2, BERT, Llama, ConvNeXt, ViT) and seven in backward segments
 # (those and T5, Mixtral); the other cases here
@@ -128,13 +132,15 @@ test-slow: $(STAMP) $(NEWEST_STAMP)
 	XLA_COMPILATION_CACHE_SIZE=256 $(PY) -m pytest -q $(XDIST) --dist loadgroup $(foreach case,$(SLOW_XLA_REAL),'$(XLA_REAL)[$(case)]')
 	$(PY) -m pytest -q $(XDIST) --dist loadgroup $(DDP_REAL) $(DDP_WORLD4) '$(DDP_SEQUENCES4)'
 	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadgroup $(foreach model,$(SLOW_INDUCTOR_NEWEST),'$(NATIVE_REAL)[$(model)-inductor]') '$(NATIVE_DYNAMIC)' \
-		$(foreach model,$(SLOW_DDP_REAL_NEWEST),'$(DDP_REAL)::test_real_model_under_ddp_equals_eager_ddp[$(model)]')
+		$(foreach model,$(SLOW_DDP_REAL_NEWEST),'$(DDP_REAL)::test_real_model_under_ddp_equals_eager_ddp[$(model)]') \
+		$(foreach model,$(SLOW_PLAN_NEWEST),'$(PLAN_REAL)[$(model)]')
 
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__, "(no torch_xla)")'
 	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadgroup --durations=10 tests \
 		$(foreach model,$(SLOW_INDUCTOR_NEWEST),--deselect '$(NATIVE_REAL)[$(model)-inductor]') --deselect '$(NATIVE_DYNAMIC)' \
-		$(foreach model,$(SLOW_DDP_REAL_NEWEST),--deselect '$(DDP_REAL)::test_real_model_under_ddp_equals_eager_ddp[$(model)]')
+		$(foreach model,$(SLOW_DDP_REAL_NEWEST),--deselect '$(DDP_REAL)::test_real_model_under_ddp_equals_eager_ddp[$(model)]') \
+		$(foreach model,$(SLOW_PLAN_NEWEST),--deselect '$(PLAN_REAL)[$(model)]')
 
 # Differential fuzzing of the XLA path against eager PyTorch (about 1 s a scenario).
 FUZZ_COUNT ?= 2000
