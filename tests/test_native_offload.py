@@ -50,7 +50,11 @@ def _graphs_built(fn):
 
 
 def _device_puts(graph: CompiledGraph) -> list:
-    return [n for n in graph._graph.graph.nodes if n.target == torch.ops.prims.device_put.default]
+    return _device_puts_of(graph._graph)
+
+
+def _device_puts_of(gm) -> list:
+    return [n for n in gm.graph.nodes if n.target == torch.ops.prims.device_put.default]
 
 
 @needs_offloading
@@ -163,10 +167,6 @@ def _as_on_a_device(monkeypatch):
     return predicted
 
 
-def _device_puts_of(gm) -> list:
-    return [n for n in gm.graph.nodes if n.target == torch.ops.prims.device_put.default]
-
-
 @needs_offloading
 def test_under_a_memory_limit_offloading_comes_before_recomputation(monkeypatch):
     """With host memory apart from the device's (as on CUDA: ``offload.lever`` made to answer as
@@ -188,7 +188,11 @@ def test_under_a_memory_limit_offloading_comes_before_recomputation(monkeypatch)
     model = _mlp()
     with pytest.raises(Exception) as caught:
         _train(model, torch.compile(model, backend="donate_xla", options={"memory_limit": 1}))
-    assert isinstance(getattr(caught.value, "inner_exception", caught.value), MemoryLimitError)
+    refused = getattr(caught.value, "inner_exception", caught.value)
+    assert isinstance(refused, MemoryLimitError)
+    # the refusal names every candidate tried, offloaded ones included, and the limit
+    assert "(+offload: saved activations offloaded to host memory)" in str(refused), str(refused)
+    assert "1+offload: " in str(refused) and "memory_limit is " in str(refused), str(refused)
     peaks = dict(predicted)
     assert list(peaks)[:3] == ["1", "1+offload", "0.7"], peaks
     assert peaks["1+offload"] < peaks["1"], peaks
