@@ -13,8 +13,8 @@ graph, on fake copies of its inputs, goes through aot_autograd once more
 under the limit less what the step holds beyond the planned forward and
 backward (at least the state), so the least recomputation that fits with the
 state counted is chosen. When nothing fits (the rest of the step, such as the
-optimizer's graph, is over the limit by itself, or no activation budget brings
-the forward and backward under what is left), the call raises
+optimizer's graph, is over the limit by itself, or no activation budget, with its
+saved activations offloaded or not, brings the forward and backward under what is left), the call raises
 ``MemoryLimitError`` before its step runs, with the bytes the step needs.
 
 It plans again once. It warns with the excess instead when it cannot compile
@@ -141,7 +141,8 @@ class LimitedGraph:
             if error.least_bytes is None:  # the rest of the step alone is over the limit
                 need = rest_peak.peak_bytes
                 why = (f"{rest_peak.name} (outside this graph's forward and backward) peaks at "
-                       f"{need / MIB:.1f} MiB with the state counted, which no activation budget lowers")
+                       f"{need / MIB:.1f} MiB with the state counted, which neither recomputing nor offloading "
+                       "this graph's activations lowers")
             else:
                 need = beyond + error.least_bytes
                 why = (f"{beyond / MIB:.1f} MiB beyond the forward and backward, which need at least "

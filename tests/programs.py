@@ -312,3 +312,24 @@ def updated_buffer_program(device, compile_fn, whole_step: bool):
         results.append([t.detach().cpu().clone() for t in (out if isinstance(out, list) else [out])])
         results.append([t.detach().cpu().clone() for t in list(parts.parameters()) + list(parts.buffers())])
     return results
+
+
+def retained_graph_program(model, run, x):
+    """``run`` (``model`` or its compiled function; ``model`` a Sequential of at least 3
+    modules, Linear at 0 and 2, ``x`` requiring grad) through two backwards of one retained
+    graph (gradients accumulate), a gradient hook, ``backward(inputs=)`` that leaves the
+    other gradients as they were, and ``torch.autograd.grad``, which writes no ``.grad``.
+    Returns the gradients, the hook's and ``autograd.grad``'s."""
+    seen = []
+    handle = model[0].weight.register_hook(lambda g: seen.append(g.clone()))
+    loss = run(x).square().mean()
+    loss.backward(retain_graph=True)
+    loss.backward(retain_graph=True)
+    run(2 * x).sum().backward(inputs=[model[2].weight])
+    handle.remove()
+    grads = [p.grad.clone() for p in model.parameters()] + seen + [x.grad.clone()]
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    by_grad = torch.autograd.grad(run(x).tanh().sum(), [x, model[2].weight])
+    assert all(p.grad is None for p in model.parameters()) and x.grad is None
+    return grads + list(by_grad)

@@ -168,6 +168,31 @@ def test_plan_counts_what_eager_code_between_graphs_saves_for_the_backward():
     assert f"({2 * 512 * 256 * 4 / 1024:.1f} KiB" in note, note  # tanh's output, and the product graph 2 reads
 
 
+def test_a_parameter_view_made_by_eager_code_between_graphs_is_resident_not_an_activation():
+    """Eager code between two graphs passes the second a view of a parameter that no graph
+    reads itself (``weight.t()``, made in a frame dynamo skips): the view has a ``grad_fn``,
+    but its storage is the parameter's, held between steps. The plan counts it as resident
+    (not as an activation the backward frees) and meets the measured growth."""
+    torch.manual_seed(0)
+    first, second, third = (torch.nn.Linear(256, 256) for _ in range(3))
+
+    @torch._dynamo.disable
+    def tied():
+        return third.weight.t()
+
+    def f(x):
+        return torch.tanh(torch.relu(first(x)) @ tied() + second(x)).sum()
+
+    run = torch.compile(f, backend="donate_xla")
+    x = torch.randn(512, 256)
+    model = torch.nn.ModuleList([first, second])
+    plan, measured = _predicted_and_measured(torch.nn.ModuleList([first, second, third]), lambda: run(x).backward())
+    print(f"\n{plan.as_text()}\nmeasured growth {measured / 2**20:.3f} MiB")
+    resident = sum(p.numel() * 4 for p in model.parameters()) + third.weight.numel() * 4 + x.numel() * 4
+    assert plan.resident_bytes == resident
+    assert abs(plan.growth_bytes / measured - 1) <= TOLERANCE
+
+
 def test_optimizer_state_and_shared_parameters_are_resident_once():
     model = _mlp(128, 2)
     optimizer = torch.optim.Adam(model.parameters())

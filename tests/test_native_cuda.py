@@ -21,7 +21,13 @@ import donate_backend
 import xla_fuzz
 from donate_backend import config
 from memtrack import cuda_peak_bytes
-from programs import checkpointed_program, grad_scaler_program, held_state_program, varying_batch_program
+from programs import (
+    checkpointed_program,
+    grad_scaler_program,
+    held_state_program,
+    retained_graph_program,
+    varying_batch_program,
+)
 from real_models import MODELS, available
 from test_native_real_models import (
     STEPS, TOLERANCE, assert_history_close, backward_peak, max_differences, train_side_by_side,
@@ -252,22 +258,15 @@ def test_a_memory_limit_offloads_before_it_recomputes_on_cuda(executor, monkeypa
 @pytest.mark.parametrize("executor", ["aten", "inductor"])
 def test_retain_graph_inputs_and_hooks_match_eager_on_cuda(executor):
     """Two backwards through one retained graph (gradients accumulate; the reusing backward
-    must not run while the graph is kept), a gradient hook, then ``backward(inputs=)``
-    that leaves the other gradients as they were."""
+    must not run while the graph is kept), a gradient hook, ``backward(inputs=)`` that
+    leaves the other gradients as they were, and ``torch.autograd.grad``."""
     torch.manual_seed(0)
     eager = _mlp(64, 3).to(CUDA)
     ours = copy.deepcopy(eager)
     x = torch.randn(16, 64, device=CUDA)
 
     def program(model, run):
-        seen = []
-        handle = model[0].weight.register_hook(lambda g: seen.append(g.clone()))
-        loss = run(x).square().mean()
-        loss.backward(retain_graph=True)
-        loss.backward(retain_graph=True)
-        run(2 * x).sum().backward(inputs=[model[2].weight])
-        handle.remove()
-        return [p.grad.clone() for p in model.parameters()] + seen
+        return retained_graph_program(model, run, x.clone().requires_grad_())
 
     expected = program(eager, eager)
     with config.patch(native_compiler=executor):

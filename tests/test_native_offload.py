@@ -17,6 +17,7 @@ from donate_backend.errors import DonateXlaError
 from donate_backend.native import compat
 from donate_backend.native.compiled import CompiledGraph
 from instances import instances_of
+from programs import retained_graph_program
 
 HAS_OFFLOADING = compat.activation_offloading(on_cuda=False) is not None
 needs_offloading = pytest.mark.skipif(not HAS_OFFLOADING, reason=f"torch {torch.__version__} has no activation offloading")
@@ -251,3 +252,27 @@ def test_the_replay_of_a_graph_on_a_device_counts_no_bytes_for_its_host_copies()
     assert peaks["cuda"] == (2 * memory.cuda_block_bytes(width), memory.cuda_block_bytes(width))
     # on the CPU the copy is one more buffer, and it is returned
     assert peaks["cpu"] == (3 * width, 2 * width)
+
+
+@needs_offloading
+@pytest.mark.parametrize("executor", ["aten", "inductor"])
+def test_offloaded_graphs_under_retain_graph_hooks_inputs_and_autograd_grad_match_eager(executor):
+    """With the saved activations offloaded, the backward reads the reloaded copies: two
+    backwards through one retained graph (the second reloads them again), a gradient hook,
+    ``backward(inputs=)`` that leaves the other gradients as they were, and
+    ``torch.autograd.grad``, which writes no ``.grad`` at all, equal eager."""
+
+    def program(model, run):
+        torch.manual_seed(2)
+        return retained_graph_program(model, run, torch.randn(16, 64, requires_grad=True))
+
+    eager = _mlp()
+    expected = program(eager, eager)
+    torch._dynamo.reset()
+    ours = _mlp()
+    with config.patch(native_compiler=executor, offload_saved=True):
+        got, built = _graphs_built(lambda: program(ours, torch.compile(ours, backend="donate_xla")))
+    assert any(_device_puts(g) for g in built if g.ctx.kind == "forward")  # it did offload
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)

@@ -351,7 +351,8 @@ def eager_saved(args: Sequence) -> Tuple[Tuple[object, int], ...]:
     holds into the backward (an encoder's convolutions between graph breaks): the tensors
     its autograd saved for the backward, reached from the forward's arguments, and the
     arguments it computed (a tensor with a ``grad_fn``: not held between steps).
-    Parameters (resident) and host tensors of a graph on a device are left out."""
+    Parameters and views of them (resident) and host tensors of a graph on a device are
+    left out."""
     from . import compat
 
     on_device = any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
@@ -360,6 +361,9 @@ def eager_saved(args: Sequence) -> Tuple[Tuple[object, int], ...]:
     for value in made + compat.saved_by_eager_autograd(args):
         if isinstance(value, torch.nn.Parameter) or (value.is_leaf and value.requires_grad):
             continue
+        base = value._base
+        if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
+            continue  # a view of a parameter (weights tied in eager code): its storage is resident
         if value.layout != torch.strided or (on_device and value.device.type == "cpu"):
             continue
         key = storage_address(value)
