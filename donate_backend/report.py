@@ -69,6 +69,8 @@ class GraphRecord:
     overwritten_roles: tuple = ()
     saved_bytes: Optional[int] = None  # forward graphs: bytes of activations saved for backward
     recompute_gated: int = 0  # XLA backward graphs: recomputation roots kept in order (xla/recompute.py)
+    # stitched XLA backward graphs: gradients computed after their parameter's reads (xla/update_order.py)
+    updates_ordered: int = 0
     # XLA backward graphs run in segments (xla/segments.py): how many, and the bytes of
     # inputs (saved tensors, incoming gradients) released before the last segment runs
     backward_segments: int = 0
@@ -206,6 +208,11 @@ def format_record(r: GraphRecord) -> str:
     if r.recompute_gated:
         lines.append(
             f"  recomputation kept in order: {r.recompute_gated} roots wait for the gradient before them"
+        )
+    if r.updates_ordered:
+        lines.append(
+            f"  read before updated: {r.updates_ordered} parameters' gradients wait for the backward's reads "
+            "of them (no copy of the parameter in the stitched step)"
         )
     if r.backward_segments:
         lines.append(

@@ -177,3 +177,107 @@ def test_stitched_graph_that_leaves_a_recorded_input_unchanged_keeps_it(recorded
     )
     expected = run(torch.device("cpu"), lambda f: f, lambda on: contextlib.nullcontext(), lambda: None)
     assert_close_tree(got, expected, "outputs, a and b after every call")
+
+
+_STITCHED_GELU_MLP = """
+import re, sys
+import torch, torch_xla, donate_backend
+from donate_backend.xla import update_order
+if sys.argv[1] == "unordered":
+    update_order.gates = lambda gm: {}
+dev = torch_xla.device()
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())]).to(dev)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+x, y = torch.randn(16, 64).to(dev), torch.randn(16, 64).to(dev)
+@torch.compile(backend="donate_xla", options={"stitch": True})
+def step(x, y):
+    loss = (model(x) - y).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+losses = [float(step(x, y).cpu()) for _ in range(4)]
+ordered = sum(r.updates_ordered for r in donate_backend.reports() if r.kind == "backward")
+text = "\\n".join(donate_backend.format_record(r) for r in donate_backend.reports())
+print(repr(losses), ordered, "read before updated" in text)
+"""
+
+
+def test_a_stitched_step_reads_each_weight_before_its_update_and_copies_none(tmp_path):
+    """In one XLA computation, a linear layer's backward reads its weight for the input's
+    gradient while the weight's update waits only for the weight's own gradient: XLA
+    copies each such weight at the start of the step to update it in place. Ordered
+    (``xla/update_order.py``), the step's optimized HLO copies no weight, and the values
+    are bit for bit those of the unordered step, which copies the two weights whose
+    input gradient the backward computes."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from conftest import xla_flags_with
+    from test_donation import _aliases_and_copied_parameters
+
+    script = tmp_path / "stitched.py"
+    script.write_text(_STITCHED_GELU_MLP)
+    results = {}
+    for run in ("ordered", "unordered"):
+        dump = tmp_path / run
+        env = dict(os.environ, PJRT_DEVICE="CPU", XLA_FLAGS=xla_flags_with(f"--xla_dump_to={dump} --xla_dump_hlo_as_text"))
+        out = subprocess.run([sys.executable, str(script), run], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        losses, ordered, reported = out.stdout.strip().splitlines()[-1].rsplit(" ", 2)
+        modules = [p.read_text() for p in sorted(dump.glob("*after_optimizations.txt"))]
+        step = max((t for t in modules if "input_output_alias" in t), key=lambda t: _aliases_and_copied_parameters(t)[0])
+        aliases, _, copied = _aliases_and_copied_parameters(step)
+        weights = {p for p in copied if re.search(rf"{re.escape(p)} = f32\[64,64\]", step)}
+        results[run] = (losses, int(ordered), reported == "True", aliases, weights)
+    ordered, unordered = results["ordered"], results["unordered"]
+    assert ordered[3] == unordered[3] == 12, results  # 6 parameters and 6 momentum buffers donated
+    assert ordered[1] == 2 and ordered[2] and not ordered[4], results  # two gradients wait; nothing copied
+    assert unordered[1] == 0 and len(unordered[4]) == 2, results
+    assert ordered[0] == unordered[0]  # the same values, bit for bit
+
+
+def test_each_weights_gradient_waits_for_the_backward_ops_that_read_the_weight():
+    """``update_order.gates`` on a two-layer MLP's backward, partitioned as the XLA path
+    partitions it (here the forward saves the second weight's transpose ``t_2``, a view
+    of input 3): the input gradient's ``mm`` reads it, and the weight's own gradient
+    (``mm_1``) does not depend on that ``mm``, so it waits for it. The first weight's
+    input gradient is not computed (the batch needs none), and no backward op reads a
+    bias: nothing else waits. The batch (input 2) has no gradient."""
+    import expecttest
+    from functorch.compile import aot_function, min_cut_rematerialization_partition
+
+    from donate_backend.xla import update_order
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    backwards = []
+
+    def partition(joint, *args, **kwargs):
+        fw, bw = min_cut_rematerialization_partition(joint, *args, **kwargs)
+        update_order.record_input_grads(fw, bw)
+        backwards.append(bw)
+        return fw, bw
+
+    def forward(w0, b0, x, w1, b1):
+        return torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, w0, b0)), w1, b1)
+
+    # on the meta device: gates are computed from device tensors (a host tensor is not gated)
+    params = [p.detach().to("meta").requires_grad_() for p in model.parameters()]
+    compiled = aot_function(forward, fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
+                            partition_fn=partition)
+    compiled(params[0], params[1], torch.randn(4, 8, device="meta"), params[2], params[3]).sum().backward()
+    (bw,) = backwards
+    gates = update_order.gates(bw)
+    def op(n):
+        return f"{n.name} = {n.target.__name__}({', '.join(str(a) for a in n.args)})"
+
+    expecttest.assert_expected_inline(
+        f"input gradients: {bw.meta[update_order.INPUT_GRADS_META]}\n"
+        + "\n".join(f"{op(producer)} waits for {', '.join(op(r) for r in readers)}" for producer, readers in gates.items()),
+        """\
+input gradients: {'t_2': 3}
+mm_1 = mm.default(t_3, gelu) waits for mm = mm.default(tangents_1, t_2)""",
+    )

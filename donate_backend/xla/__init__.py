@@ -10,7 +10,7 @@ from .. import budget, torch_compat
 from ..analysis.aliasing import overlapping_inputs_written
 from ..analysis.mutation import donation_requests
 from ..errors import UnsupportedGraphError
-from . import compat
+from . import compat, update_order
 from .compiler import compile_graph
 from .rewrite import rewrite_for_xla
 from .sharding import MeshDescription, describe_mesh, mark_sharding
@@ -35,11 +35,19 @@ def aot_options() -> dict:
         return {}
     from .memory import predict_step
 
-    return {
-        "partition_fn": functools.partial(
-            budget.partition, min_cut_rematerialization_partition, fit=True, predict_step=predict_step
-        )
-    }
+    partition_fn = functools.partial(
+        budget.partition, min_cut_rematerialization_partition, fit=True, predict_step=predict_step
+    )
+    return {"partition_fn": functools.partial(_recording_input_grads, partition_fn)}
+
+
+def _recording_input_grads(partition_fn, joint, *args, **kwargs):
+    """``partition_fn``, then which backward inputs are forward inputs and where their
+    gradients are (``update_order.record_input_grads``: a stitched step orders each
+    parameter's reads before its update with it)."""
+    fw_module, bw_module = partition_fn(joint, *args, **kwargs)
+    update_order.record_input_grads(fw_module, bw_module)
+    return fw_module, bw_module
 
 
 def check_dynamo_graph(gm, example_inputs, graph_id: int) -> None:

@@ -350,6 +350,7 @@ def compile_graph(gm, example_inputs, ctx):
                 overwritten_roles=tuple(sorted({input_roles[i] for i, _ in lowered.writebacks})),
                 saved_bytes=saved_bytes(gm, user_outputs),
                 recompute_gated=lowered.traced.recompute_gated if lowered.traced is not None else 0,
+                updates_ordered=lowered.traced.updates_ordered if lowered.traced is not None else 0,
                 host_input_bytes=host_input_bytes(examples),
                 input_shapes=tuple(tuple(t.shape) for t in examples if isinstance(t, torch.Tensor)) if symbolic else None,
                 lowered=lowered,

@@ -186,10 +186,11 @@ def _lower_live(
         for i, source in spmd.inherited_shardings(gm, specs, shapes).items():
             shardings[i] = shardings[source]
     started = time.perf_counter()
-    with traced_on_placeholders(gm, example_inputs, donors, graph_name, real_inputs) as live:
+    with traced_on_placeholders(gm, example_inputs, donors, graph_name, real_inputs, stitch) as live:
         traced_at = time.perf_counter()
         traced = dataclasses.replace(
-            traced, constants_uploaded=live.constants_uploaded, recompute_gated=live.recompute_gated
+            traced, constants_uploaded=live.constants_uploaded, recompute_gated=live.recompute_gated,
+            updates_ordered=live.updates_ordered,
         )
         plan = plan_results(live, live.outputs, to_host, graph_name, written_donors, host_values)
         try:

@@ -77,7 +77,7 @@ def _fusible(node: torch.fx.Node) -> bool:
     """Elementwise or a view: XLA computes it inside the op that reads it."""
     if node.op != "call_function":
         return False
-    if _is_view(node) or torch.Tag.pointwise in getattr(node.target, "tags", ()):
+    if is_view(node) or torch.Tag.pointwise in getattr(node.target, "tags", ()):
         return True
     if _op_name(node).startswith("_foreach_"):  # elementwise over a list
         return True
@@ -159,7 +159,7 @@ def predict(
         if node.op != "call_function":
             continue
         barrier_user = any(_op_name(u) in _FUSION_BARRIERS for u in node.users)
-        if not _fusible(node) or (barrier_user and not _is_view(node)):
+        if not _fusible(node) or (barrier_user and not is_view(node)):
             materialised.add(node)
     # A returned view's base is the output buffer, not a temporary.
     for value in list(returned):
@@ -237,7 +237,8 @@ def predict(
     )
 
 
-def _is_view(node: torch.fx.Node) -> bool:
+def is_view(node: torch.fx.Node) -> bool:
+    """A view op (its first result aliases an input, not written) or a ``getitem``."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
@@ -259,7 +260,7 @@ def aliased_outputs(graph: torch.fx.Graph):
 def _view_base(node: torch.fx.Node) -> torch.fx.Node:
     """The node ``node`` is a view of (itself if it is none)."""
     for _ in range(64):
-        if not _is_view(node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        if not is_view(node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return node
         node = node.args[0]
     return node

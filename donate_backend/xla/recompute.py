@@ -47,7 +47,7 @@ def _tensor_value(node: torch.fx.Node) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) and value.device.type != "cpu" else None
 
 
-def _can_gate_with(node: torch.fx.Node) -> bool:
+def can_gate_with(node: torch.fx.Node) -> bool:
     """A value a flag can be computed from: a floating-point device tensor known to be
     non-empty (a symbolic size is not known to be)."""
     value = _tensor_value(node)
@@ -65,7 +65,7 @@ def _gateable(node: torch.fx.Node) -> bool:
     schema = target._schema
     if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
         return False
-    return any(_can_gate_with(i) for i in node.all_input_nodes)
+    return any(can_gate_with(i) for i in node.all_input_nodes)
 
 
 def gates(graph: torch.fx.Graph) -> dict:
@@ -93,7 +93,7 @@ def gates(graph: torch.fx.Graph) -> dict:
         inputs = node.all_input_nodes
         if any(i in flows for i in inputs):
             flows.add(node)
-            last_flow = node if _can_gate_with(node) else last_flow
+            last_flow = node if can_gate_with(node) else last_flow
         elif any(i in ordered for i in inputs):
             ordered.add(node)
         elif last_flow is not None and _gateable(node):

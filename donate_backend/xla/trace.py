@@ -23,7 +23,7 @@ import torch_xla
 
 from ..errors import UnsupportedGraphError
 from .. import config
-from . import compat, ops, recompute
+from . import compat, ops, recompute, update_order
 from .plan import LoweringMismatchError
 
 def check_inputs(example_inputs: Sequence, graph_name: str) -> list[int]:
@@ -138,8 +138,10 @@ class _PlaceholderTracer(torch.fx.Interpreter):
         self.graph_name = graph_name
         self.device = device
         self.constants_uploaded = 0
-        self.gates = gates  # recomputation root -> the gradient value it waits for
-        self.gate_nodes = set(gates.values())
+        # node -> the values it waits for: a recomputation root, the gradient before it
+        # (recompute.py); in a stitched step, a parameter's gradient, its reads (update_order.py)
+        self.gates = gates
+        self.gate_nodes = {gate for waits in gates.values() for gate in waits}
         self.gate_values = {}  # kept past their last use in the graph (the interpreter frees those)
         self.gate_flags = {}  # gate -> the True computed from it
 
@@ -164,14 +166,16 @@ class _PlaceholderTracer(torch.fx.Interpreter):
             ) from exc
 
     def _run_gated(self, node: torch.fx.Node):
-        """Run a recomputation root with one input made dependent on its gate
-        (``recompute.py``), so XLA cannot run it before the gate's value exists."""
+        """Run a node with one input made dependent on its gates (``recompute.py``,
+        ``update_order.py``), so XLA cannot run it before the gates' values exist."""
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        gate = self.gates[node]
-        if gate not in self.gate_flags:
-            self.gate_flags[gate] = recompute.always_true(self.gate_values.pop(gate))
+        flag = None
+        for gate in self.gates[node]:
+            if gate not in self.gate_flags:
+                self.gate_flags[gate] = recompute.always_true(self.gate_values.pop(gate))
+            flag = self.gate_flags[gate] if flag is None else flag & self.gate_flags[gate]
         leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
-        args, kwargs = torch.utils._pytree.tree_unflatten(recompute.gated_inputs(leaves, self.gate_flags[gate]), spec)
+        args, kwargs = torch.utils._pytree.tree_unflatten(recompute.gated_inputs(leaves, flag), spec)
         return self.call_function(node.target, args, kwargs)
 
     def call_function(self, target, args, kwargs):
@@ -251,6 +255,7 @@ class TracedGraph:
     constants_uploaded: int = 0
     example_inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)  # fake
     recompute_gated: int = 0  # recomputation roots traced behind a gate (recompute.py)
+    updates_ordered: int = 0  # gradients traced behind their parameter's reads (update_order.py)
 
     @property
     def code(self) -> str:
@@ -291,6 +296,7 @@ class LiveTrace:
     reals: list  # per input: the real device tensor a stand-in clones (SPMD), else None
     input_of_handle: dict = dataclasses.field(default_factory=dict)  # buffer handle -> input index
     recompute_gated: int = 0  # recomputation roots traced behind a gate
+    updates_ordered: int = 0  # gradients traced behind their parameter's reads
 
     def data_read_by(self, tensors: Sequence[torch.Tensor]) -> tuple:
         """(tags, values, input index or None) of every device buffer the tensors'
@@ -341,8 +347,11 @@ def traced_on_placeholders(
     donors: Sequence[int],
     graph_name: str,
     real_inputs: Optional[Sequence] = None,
+    stitch: bool = False,
 ) -> Iterator[LiveTrace]:
     """Trace ``gm`` on stand-ins (donors flagged first) under the trace settings.
+    ``stitch``: for a stitched step, where each parameter's gradient waits for the
+    backward's reads of that parameter (``update_order.py``).
 
     The settings stay in force inside the block, where the caller compiles the
     traced tensors; on exit every stand-in-derived tensor is dropped, and the
@@ -363,9 +372,13 @@ def traced_on_placeholders(
         handles = compat.data_handles([reals[i] if _is_xla(reals[i]) else holders[i] for i in tensor_inputs])
         shared = [i for i in donors if _is_xla(reals[i])]  # their flags live on real buffers
         saved_flags = [compat.get_buffer_donation(holders[i]) for i in shared]
-        gated = recompute.gates(gm.graph) if config.current().orders_recompute else {}
+        recomputed = recompute.gates(gm.graph) if config.current().orders_recompute else {}
+        updated = update_order.gates(gm) if stitch else {}
+        gated = {node: (gate,) for node, gate in recomputed.items()}
+        for node, readers in updated.items():
+            gated[node] = gated.get(node, ()) + readers
         tracer = _PlaceholderTracer(gm, graph_name, torch_xla.device(), gated)
-        live = LiveTrace(holders, [], 0, reals, dict(zip(handles, tensor_inputs)), len(gated))
+        live = LiveTrace(holders, [], 0, reals, dict(zip(handles, tensor_inputs)), len(recomputed), len(updated))
         try:
             for i in donors:
                 compat.set_buffer_donation(holders[i], True)
