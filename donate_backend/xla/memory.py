@@ -139,7 +139,7 @@ def predict(
         if not isinstance(value, torch.fx.Node) or value in returned:
             continue
         returned.add(value)
-        if _view_base(value).op == "placeholder":  # an input, or a view of one: no buffer of its own
+        if view_base(value).op == "placeholder":  # an input, or a view of one: no buffer of its own
             continue
         size = _bytes(value)
         largest = max(largest, size)
@@ -163,7 +163,7 @@ def predict(
             materialised.add(node)
     # A returned view's base is the output buffer, not a temporary.
     for value in list(returned):
-        base = _view_base(value)
+        base = view_base(value)
         if base is not value:
             returned.add(base)
     # A returned value or a new value written into an input has a buffer of its own,
@@ -253,11 +253,11 @@ def aliased_outputs(graph: torch.fx.Graph):
     (no buffer of their own); True when it returns one such value rather than a tuple."""
     value = graph.output_node().args[0]
     if not isinstance(value, (tuple, list)):
-        return isinstance(value, torch.fx.Node) and _view_base(value).op == "placeholder"
-    return {i for i, v in enumerate(value) if isinstance(v, torch.fx.Node) and _view_base(v).op == "placeholder"}
+        return isinstance(value, torch.fx.Node) and view_base(value).op == "placeholder"
+    return {i for i, v in enumerate(value) if isinstance(v, torch.fx.Node) and view_base(v).op == "placeholder"}
 
 
-def _view_base(node: torch.fx.Node) -> torch.fx.Node:
+def view_base(node: torch.fx.Node) -> torch.fx.Node:
     """The node ``node`` is a view of (itself if it is none)."""
     for _ in range(64):
         if not is_view(node) or not node.args or not isinstance(node.args[0], torch.fx.Node):

@@ -11,7 +11,8 @@ which is all its update waits for, does not depend on that product. So no
 dependence orders the read before the write, and XLA copies the weight at
 the start of the step and reads the copy instead: on the 8 x (Linear 2048 +
 GELU) MLP, seven 16 MiB copies per step, made before the forward and held
-until each update (3-5% of the step's time, more of its memory).
+until each update (measured: 74.4 MiB of growth per step with them, 60.5
+without; the step time did not change beyond its spread).
 
 The fix is the same data dependence ``recompute.py`` uses, in the other
 direction: the op that produces a parameter's gradient gets one input
@@ -35,7 +36,7 @@ import torch
 import torch.fx
 
 from . import recompute
-from .memory import is_view
+from .memory import is_view, view_base
 
 INPUT_GRADS_META = "donate_xla_input_grads"  # backward module meta: {placeholder name: output index}
 
@@ -54,9 +55,7 @@ def input_grads(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModule
     out = {}
     for node in bw_module.graph.find_nodes(op="placeholder"):
         source = fw_nodes.get(node.name)
-        while source is not None and is_view(source):  # a view of an input reads the input
-            source = source.args[0] if source.args and isinstance(source.args[0], torch.fx.Node) else None
-        k = position.get(source)
+        k = position.get(view_base(source)) if source is not None else None  # a view of an input reads it
         if k is not None and isinstance(outputs[k], torch.fx.Node):
             out[node.name] = k
     return out
@@ -83,10 +82,8 @@ def _readers(placeholder: torch.fx.Node) -> list:
 
 def _producer(value) -> Optional[torch.fx.Node]:
     """The op that computes an output's data: back through views (and ``getitem``)."""
-    node = value
-    while isinstance(node, torch.fx.Node) and is_view(node):
-        node = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
-    return node if isinstance(node, torch.fx.Node) and node.op == "call_function" else None
+    node = view_base(value) if isinstance(value, torch.fx.Node) else None
+    return node if node is not None and node.op == "call_function" else None
 
 
 def _is_ancestor(reader: torch.fx.Node, node: torch.fx.Node, order: dict) -> bool:
