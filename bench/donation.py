@@ -3,7 +3,7 @@
 Each backend runs `--repeats` times (default 5), interleaved, each in a fresh
 process; the figures are medians over the repeats, with their range. After four
 warm-up calls (they compile, create the optimizer state, and let the default choose and
-compile its step: ``WARM_UP_CALLS``) the process samples its RSS every 5 ms over
+compile its step: ``xla_common.WARM_UP_CALLS``) the process samples its RSS every 5 ms over
 `--steps` steps. On XLA:CPU device buffers live in host memory,
 so RSS is device memory. Every configuration runs under two allocator settings:
 
@@ -93,8 +93,6 @@ VARIANTS = {
     "donate_xla_budget_sched": {"DONATE_XLA_ACTIVATION_BUDGET": "0.1", **MEMORY_SCHEDULER},
     "lazy_sched": MEMORY_SCHEDULER,
 }
-# calls before the measured steps: from the fifth call every row runs the executables it keeps
-WARM_UP_CALLS = 4
 ALLOCATORS = {"glibc": {}, "live": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 FIGURE = {"glibc": "peak_growth", "live": "transient"}  # the growth each setting reports
 
@@ -131,7 +129,7 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
 
     os.environ.update(VARIANTS.get(backend, {}))  # read when donate_backend is imported
     import donate_backend
-    from xla_common import RssSampler, build, current_rss, median, state_tensors
+    from xla_common import WARM_UP_CALLS, RssSampler, build, current_rss, median, state_tensors
 
     XLAC = torch_xla._XLAC
     device = torch_xla.device()
@@ -171,12 +169,7 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
         return loss
 
     try:
-        # compile every graph and create the optimizer state, and two steps more: at the
-        # third call the default chooses the step's levers (donate_backend.choice), and a
-        # limit plans the step again with the state counted (donate_backend.limit); a step
-        # the default stitches compiles its donating variant at the fourth, and XLA:CPU's
-        # compile works in host memory, which would count as the step's growth
-        for _ in range(WARM_UP_CALLS):
+        for _ in range(WARM_UP_CALLS):  # the default and a limit settle (xla_common)
             run_step()
     except Exception as error:  # noqa: BLE001 - a limit no plan meets: refused before the step runs
         if limit is None or "memory_limit" not in str(error):

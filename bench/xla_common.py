@@ -145,6 +145,15 @@ MORE_MODELS = {
 }
 
 
+# Calls before a measured step: they compile every graph and create the optimizer state; at
+# the third the default chooses the step's levers (donate_backend.choice) and a limit plans the
+# step again with the state counted (donate_backend.limit); a step the default stitches
+# compiles its donating variant at the fourth, and XLA:CPU's compile works in host memory,
+# which would count as the step's growth. From the fifth call every setting runs the
+# executables it keeps.
+WARM_UP_CALLS = 4
+
+
 def build(model_name: str, device):
     spec = {**MODELS, **MORE_MODELS}[model_name]
     torch.manual_seed(0)

@@ -104,7 +104,7 @@ def worker(model_name: str) -> dict:
     else:
         model, opt, step, inputs = xla_common.build(model_name, device)
     compiled = torch.compile(step, backend="donate_xla")
-    for _ in range(4):
+    for _ in range(xla_common.WARM_UP_CALLS):
         compiled(*inputs)
         torch_xla.sync()
         xm.wait_device_ops()
