@@ -122,8 +122,8 @@ def predict(
     output = graph.output_node()
     out_args = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
 
-    # Outputs: a buffer each, unless it is an input, a view of one (returned as is), or a
-    # new value written into a donated input.
+    # Outputs: a buffer each, unless it is an input returned as it is or a new value
+    # written into a donated input.
     def category(index: int) -> str:
         if kind == "backward":
             return GRADIENTS
@@ -139,8 +139,10 @@ def predict(
         if not isinstance(value, torch.fx.Node) or value in returned:
             continue
         returned.add(value)
-        if view_base(value).op == "placeholder":  # an input, or a view of one: no buffer of its own
+        if value.op == "placeholder":  # an input returned as it is: no buffer of its own
             continue
+        # A view of an input is a buffer of its own: XLA's results never alias an input
+        # that is not donated, so the lowering returns such a view as a copy.
         size = _bytes(value)
         largest = max(largest, size)
         out_parts[category(index)] = out_parts.get(category(index), 0) + size
