@@ -99,7 +99,7 @@ def test_a_view_of_an_input_saved_for_the_backward_is_counted_as_the_copy_xla_re
     that saves ``x.view(...)`` of its input for the backward returns a copy of it (the
     lowering's result), while one that saves the input itself returns nothing new. The
     prediction counts the copy; it counted neither before (a language model's loss
-    graph saves its hidden states reshaped: 1 MiB per graph, unplanned, on tiny BART)."""
+    graph saves its hidden states reshaped: 1 MiB per graph, unplanned, on BART)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from donate_backend.xla import memory
