@@ -380,8 +380,9 @@ def test_a_forward_output_the_caller_dropped_is_not_held_through_the_backward(xl
 
 
 def test_a_limit_the_optimizer_step_alone_breaks_is_met_stitched_or_refused_before_the_third_step(xla_device):
-    """SGD momentum on a small batch: the step's peak is the optimizer's graph (every
-    gradient, parameter and momentum buffer live), which no recomputation lowers. A
+    """SGD momentum on a small batch: the step's peak holds every gradient with the
+    parameters and momentum buffers (the backward's end and the optimizer's graph, whose
+    update in place needs no temporaries), which no recomputation lowers. A
     limit just under it is met by the forward and backward when they compile; at the
     third call, with the momentum counted, the step is stitched, which holds one
     gradient at a time and fits, with eager's values. A limit under the stitched plan
@@ -403,7 +404,9 @@ def test_a_limit_the_optimizer_step_alone_breaks_is_met_stitched_or_refused_befo
 
     expected, expected_model = train({"stitch": False}, 4)
     whole = donate_backend.memory_plan()
-    assert whole.graphs[-1].peak_bytes == whole.peak_bytes  # the optimizer's graph holds the peak
+    params = _nbytes(eager.parameters())
+    assert whole.breakdown["gradients"] >= params  # every gradient live at the peak
+    assert whole.graphs[-1].peak_bytes >= whole.peak_bytes - 256 * 1024  # the optimizer's graph: as high
     limit = whole.peak_bytes - MIB
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -425,7 +428,7 @@ def test_a_limit_the_optimizer_step_alone_breaks_is_met_stitched_or_refused_befo
     assert re.search(r"the step needs at least [\d.]+ MiB \(\d+ bytes\): graph \d+ inference \(outside this "
                      r"graph's forward and backward\) peaks at", text), text
     assert "this one has not run" in text and "options={'stitch': True}" in text
-    assert refused.value.least_bytes == whole.peak_bytes
+    assert refused.value.least_bytes == whole.graphs[-1].peak_bytes  # the optimizer's graph's
     estimate = int(re.search(r"this step stitched is planned at [\d.]+ MiB \((\d+) bytes\)", text).group(1))
     assert abs(estimate - stitched.peak_bytes) <= MIB
 

@@ -87,16 +87,17 @@ def _fusible(node: torch.fx.Node) -> bool:
                               "scalar_tensor", "empty", "arange", "iota"}
 
 
+def _is_writeback(node: torch.fx.Node) -> bool:
+    """``aten.copy_`` of a new value into an input (the end of a functionalised graph)."""
+    if node.op != "call_function" or _op_name(node) != "copy_" or len(node.args) < 2:
+        return False
+    target, source = node.args[0], node.args[1]
+    return isinstance(target, torch.fx.Node) and target.op == "placeholder" and isinstance(source, torch.fx.Node)
+
+
 def _writebacks(graph: torch.fx.Graph) -> Dict[torch.fx.Node, torch.fx.Node]:
-    """new value -> the placeholder it is copied into (``aten.copy_`` at the end of a
-    functionalised graph)."""
-    out = {}
-    for node in graph.nodes:
-        if node.op == "call_function" and _op_name(node) == "copy_":
-            target, source = node.args[0], node.args[1]
-            if isinstance(target, torch.fx.Node) and target.op == "placeholder" and isinstance(source, torch.fx.Node):
-                out[source] = target
-    return out
+    """new value -> the placeholder it is copied into (``_is_writeback``)."""
+    return {node.args[1]: node.args[0] for node in graph.nodes if _is_writeback(node)}
 
 
 def predict(
@@ -158,8 +159,8 @@ def predict(
     order = {node: i for i, node in enumerate(graph.nodes)}
     materialised: Set[torch.fx.Node] = set()
     for node in graph.nodes:
-        if node.op != "call_function":
-            continue
+        if node.op != "call_function" or _is_writeback(node):
+            continue  # a write-back's buffer is its input's, or its new value's (counted above)
         barrier_user = any(_op_name(u) in _FUSION_BARRIERS for u in node.users)
         if not _fusible(node) or (barrier_user and not is_view(node)):
             materialised.add(node)
