@@ -234,10 +234,13 @@ def last_step(records: List[report.GraphRecord], graph_id: Optional[int] = None)
 
 def _gradient_consumers(ordered: Sequence[report.GraphRecord]) -> Dict[int, int]:
     """Position of each stitched backward whose gradients a stitched optimizer graph
-    consumes in the same XLA computation -> that graph's own peak (one update's
-    temporaries): the first graph after the backward that overwrites parameters (an
-    optimizer's step; an evaluation graph run in between updates none), if it is
-    stitched too."""
+    consumes in the same XLA computation -> one update's temporaries: that graph's own
+    peak, plus the largest new value it writes, which XLA's schedule of the whole step
+    may put in a buffer of its own while the old value is still read (an executable
+    of its own updates in place: XLA's buffer assignment of a stitched MLP step held
+    one parameter's bytes more than the separate graphs). The optimizer graph is the
+    first graph after the backward that overwrites parameters (an optimizer's step; an
+    evaluation graph run in between updates none), if it is stitched too."""
     out = {}
     for position, r in enumerate(ordered):
         if r.kind != "backward" or not r.stitched:
@@ -245,7 +248,7 @@ def _gradient_consumers(ordered: Sequence[report.GraphRecord]) -> Dict[int, int]
         after = next((g for g in ordered[position + 1:] if g.kind not in ("forward", "backward")
                       and _updates_parameters(g)), None)
         if after is not None and after.stitched:
-            out[position] = max(0, after.memory.peak_bytes)
+            out[position] = max(0, after.memory.peak_bytes) + after.memory.largest_written_bytes
     return out
 
 

@@ -79,6 +79,9 @@ class GraphMemory:
     # The largest single output (XLA: a stitched step's backward holds one gradient at a
     # time, each consumed by its update as it is made; ``planner``).
     largest_output_bytes: int = 0
+    # The largest new value written into an input (XLA: in a stitched step an update's
+    # new value may take a buffer of its own while the old one is still read; ``planner``).
+    largest_written_bytes: int = 0
 
     def as_text(self) -> str:
         parts = ", ".join(f"{c} {b / 2**20:.1f}" for c, b in self.peak_parts if b)

@@ -237,6 +237,7 @@ def predict(
         passed_grad_bytes=passed_bytes,
         tangent_indices=tuple(i for i, n in enumerate(placeholders) if n.name.startswith("tangents")),
         largest_output_bytes=largest,
+        largest_written_bytes=max((_bytes(value) for value in written if value.op != "placeholder"), default=0),
     )
 
 
