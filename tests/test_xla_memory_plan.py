@@ -97,7 +97,8 @@ def test_a_matmul_fused_into_a_returned_value_is_not_held_to_the_end():
 def test_a_view_of_an_input_saved_for_the_backward_is_counted_as_the_copy_xla_returns(xla_device):
     """XLA's results never share a buffer with an input that is not donated, so a forward
     that saves ``x.view(...)`` of its input for the backward returns a copy of it (the
-    lowering's result), while one that saves the input itself returns nothing new. The
+    lowering's result), while one that saves the input itself (or its ``detach``, the same
+    torch_xla tensor) returns nothing new. The
     prediction counts the copy; it counted neither before (a language model's loss
     graph saves its hidden states reshaped: 1 MiB per graph, unplanned, on BART)."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -105,13 +106,13 @@ def test_a_view_of_an_input_saved_for_the_backward_is_counted_as_the_copy_xla_re
     from donate_backend.xla import memory
 
     def forward(x, w):
-        return (x @ w).sum(), x, x.view(-1), w.t()
+        return (x @ w).sum(), x, x.detach(), x.view(-1), w.t()
 
     args = [torch.randn(64, 32), torch.randn(32, 16)]
     graph = make_fx(forward, tracing_mode="fake")(*args).graph
     predicted = memory.predict(graph, "forward", "forward", forward_returns=1)
     x_bytes, w_bytes = 64 * 32 * 4, 32 * 16 * 4
-    assert dict(predicted.peak_parts)["activations"] == x_bytes + w_bytes  # the two views, not x
+    assert dict(predicted.peak_parts)["activations"] == x_bytes + w_bytes  # the two views, not x nor its detach
     assert predicted.end_bytes == 4 + x_bytes + w_bytes
 
     # Compiled: the bytes the lowering returns as new buffers (its results that are

@@ -87,6 +87,18 @@ def _fusible(node: torch.fx.Node) -> bool:
                               "scalar_tensor", "empty", "arange", "iota"}
 
 
+def _input_itself(node: torch.fx.Node) -> bool:
+    """An input, or a ``detach`` of one: the same torch_xla tensor (``compat.tensor_id``),
+    which the lowering returns as the caller's input."""
+    for _ in range(64):
+        if node.op == "placeholder":
+            return True
+        if node.op != "call_function" or _op_name(node) != "detach" or not isinstance(node.args[0], torch.fx.Node):
+            return False
+        node = node.args[0]
+    return False
+
+
 def _is_writeback(node: torch.fx.Node) -> bool:
     """``aten.copy_`` of a new value into an input (the end of a functionalised graph)."""
     if node.op != "call_function" or _op_name(node) != "copy_" or len(node.args) < 2:
@@ -140,7 +152,7 @@ def predict(
         if not isinstance(value, torch.fx.Node) or value in returned:
             continue
         returned.add(value)
-        if value.op == "placeholder":  # an input returned as it is: no buffer of its own
+        if _input_itself(value):  # an input returned as it is: no buffer of its own
             continue
         # A view of an input is a buffer of its own: XLA's results never alias an input
         # that is not donated, so the lowering returns such a view as a copy.
