@@ -86,6 +86,12 @@ def _is_inplace_on_input(node: torch.fx.Node, index_of: dict) -> bool:
     return bool(schema.arguments) and schema.arguments[0].is_write
 
 
+# An optimizer's ``state`` attribute (``L['self'].state[...]``, or dynamo's flattened
+# ``self___state_...``) or a state entry's key; not a name that merely contains "state"
+# (``L['hidden_states']``, the activations a graph break passes on in HF models).
+_OPTIMIZER_STATE = re.compile(r"\.state\b|___state|momentum_buffer|exp_avg|'step'")
+
+
 def input_role(source_name: Optional[str], is_parameter: bool) -> str:
     """Classify a dynamo input by its source name (e.g. ``L['self']...weight``)."""
     if is_parameter:
@@ -95,7 +101,7 @@ def input_role(source_name: Optional[str], is_parameter: bool) -> str:
     name = source_name
     if name.endswith(".grad") or re.search(r"\.grad\b", name):
         return "gradient"
-    if re.search(r"state|momentum_buffer|exp_avg|'step'", name):
+    if _OPTIMIZER_STATE.search(name):
         return "optimizer_state"
     if "_buffers" in name or re.search(r"running_(mean|var)|num_batches_tracked", name):
         return "buffer"
