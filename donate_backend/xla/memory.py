@@ -31,6 +31,7 @@ live bytes.
 """
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from typing import Dict, List, Optional, Sequence, Set
@@ -87,6 +88,57 @@ def _fusible(node: torch.fx.Node) -> bool:
                               "scalar_tensor", "empty", "arange", "iota"}
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_layouts() -> bool:
+    """Whether XLA compiles for the CPU, whose layouts ``_layout_scratch`` describes."""
+    try:
+        import torch_xla.runtime as xr
+
+        return xr.device_type() == "CPU"
+    except Exception:  # noqa: BLE001  (no runtime: nothing to describe)
+        return False
+
+
+def _layout_scratch(node: torch.fx.Node) -> int:
+    """Bytes XLA:CPU holds only while ``node`` runs, beyond its operands and results.
+
+    Measured in XLA:CPU's buffer assignments (one op per executable, and ResNet-18's
+    backward): a convolution copies its kernel into a layout of its own (for the input's
+    gradient, reversed), and its activation operands into a channels-last layout; a
+    max-pool's backward is expanded into int32 indices of the pooled input (one per
+    dimension) and a search over each window. The counts here are within one activation
+    of those assignments; the kernel copy and the indices are the large terms."""
+    name = _op_name(node)
+    args = node.args
+    if name == "convolution" and len(args) >= 2:
+        return _arg_bytes(args[1]) + _arg_bytes(args[0])
+    if name == "convolution_backward" and len(args) >= 3:
+        mask = args[10] if len(args) > 10 else (True, True, True)
+        return _arg_bytes(args[2]) + _arg_bytes(args[0]) + (_arg_bytes(args[1]) if mask[0] else 0)
+    if name in ("max_pool2d_backward", "max_pool2d_with_indices_backward") and len(args) >= 2:
+        # XLA:CPU expands the select-and-scatter: an int32 iota of the pooled input per
+        # dimension, and a reduce-window over the window's values and indices, a
+        # result-sized buffer each, beside a copy of the incoming gradient.
+        grad, pooled = args[0], args[1]
+        if not isinstance(grad, torch.fx.Node) or not isinstance(pooled, torch.fx.Node):
+            return 0
+        shape = _values(pooled)[0]
+        rank = shape.dim()
+        return _size(rank * shape.numel() * 4) + (rank + 2) * _size(_values(grad)[0].numel() * 4)
+    return 0
+
+
+def _size(value) -> int:
+    from ..native import compat
+
+    size = compat.size_hint(value)
+    return int(size) if size is not None else 0
+
+
+def _arg_bytes(arg) -> int:
+    return _bytes(arg) if isinstance(arg, torch.fx.Node) else 0
+
+
 def _input_itself(node: torch.fx.Node) -> bool:
     """An input, or a ``detach`` of one: the same torch_xla tensor (``compat.tensor_id``),
     which the lowering returns as the caller's input."""
@@ -121,6 +173,7 @@ def predict(
     forward_returns: Optional[int] = None,
     kept_inputs: Sequence[int] = (),
     passed_outputs: Sequence[int] = (),
+    cpu_layouts: Optional[bool] = None,
 ) -> GraphMemory:
     """The executable's memory (see the module docstring), as a ``GraphMemory`` the
     planner composes like a native graph's. ``donors``: indices of the inputs donated;
@@ -128,7 +181,9 @@ def predict(
     saved for the backward); ``kept_inputs``: in a backward segment, the inputs that
     outlive it (a later segment reads them), which it does not release;
     ``passed_outputs``: in a backward, the outputs an earlier graph's backward takes as
-    its tangents (``native.memory.passed_outputs``), counted in ``passed_grad_bytes``."""
+    its tangents (``native.memory.passed_outputs``), counted in ``passed_grad_bytes``;
+    ``cpu_layouts``: count the scratch XLA:CPU's layouts add to some ops
+    (``_layout_scratch``); by default where the runtime is XLA:CPU."""
     placeholders = list(graph.find_nodes(op="placeholder"))
     donated = {placeholders[i] for i in donors if i < len(placeholders)}
     written = _writebacks(graph)
@@ -204,6 +259,7 @@ def predict(
     frees: Dict[int, List[int]] = {}
     level = peak = 0
     peak_node = "(inputs)"
+    scratch = _layout_scratch if (cpu_layouts if cpu_layouts is not None else _cpu_layouts()) else None
     for node in graph.nodes:
         if node in materialised and node not in returned and node not in written:
             size = _bytes(node)
@@ -211,6 +267,10 @@ def predict(
             frees.setdefault(readers[node], []).append(size)
             if level > peak:
                 peak, peak_node = level, node.name
+        if scratch is not None and node.op == "call_function":
+            extra = scratch(node)
+            if extra and level + extra > peak:
+                peak, peak_node = level + extra, node.name
         for size in frees.pop(order[node], ()):
             level -= size
     temporaries = peak
