@@ -103,6 +103,15 @@ if sys.argv[1] == "convolution":
     conv = torch.nn.Conv2d(256, 256, 3, padding=1, bias=False).to(device)
     x = torch.randn(4, 256, 8, 8, device=device, requires_grad=True)
     step = torch.compile(lambda x: conv(x).square().sum(), backend="donate_xla")
+elif sys.argv[1] == "forward":
+    convs = torch.nn.Sequential(*[torch.nn.Conv2d(256, 256, 3, padding=1, bias=False) for _ in range(3)]).to(device)
+    x = torch.randn(4, 256, 8, 8, device=device)
+    with torch.no_grad():
+        torch.compile(lambda x: convs(x).sum(), backend="donate_xla")(x)
+    torch_xla.sync()
+    graph = next(r for r in donate_backend.reports() if r.kind == "inference")
+    print(dict(graph.memory.peak_parts).get("temporaries", 0))
+    sys.exit(0)
 else:
     x = torch.randn(4, 64, 32, 32, device=device, requires_grad=True)
     step = torch.compile(lambda x: torch.nn.functional.max_pool2d(x, 3, 2, 1).square().sum(), backend="donate_xla")
@@ -113,16 +122,17 @@ print(dict(backward.memory.peak_parts).get("temporaries", 0))
 """
 
 
-@pytest.mark.parametrize("op", ["convolution", "max_pool"])
+@pytest.mark.parametrize("op", ["forward", "convolution", "max_pool"])
 def test_xla_cpu_layout_scratch_is_planned_as_its_buffer_assignment_holds_it(tmp_path, op):
     """XLA:CPU copies a convolution's kernel into a layout of its own (reversed for the
     input's gradient) and its activations into channels-last, and expands a max-pool's
-    backward into int32 indices of the pooled input, in temporaries that live only while
-    the op runs. The backward of one 256-channel 3 x 3 convolution holds the kernel's
-    2.25 MiB of them in XLA's buffer assignment, a 3 x 3 max-pool's of a 1 MiB input
-    over 5 MiB; the plan counts them (``_layout_scratch``), within one activation of the
-    assignment. Without them it was short by the kernel (ResNet-18's backward: 17.8 MiB
-    of temporaries, 1.0 planned)."""
+    backward into int32 indices of the pooled input. The backward of one 256-channel
+    3 x 3 convolution holds the kernel's 2.25 MiB of them in XLA's buffer assignment, a
+    3 x 3 max-pool's backward of a 1 MiB input over 5 MiB while it runs; a forward makes
+    every kernel's copy at its start and holds each until its convolution (three kernels
+    at once). The plan counts them (``_layout_scratch``, ``_hoisted_kernel_copies``),
+    within one activation of the assignment. Without them it was short by the kernels
+    (ResNet-18: its forward held 43.1 MiB of temporaries, 9.0 planned)."""
     import subprocess
     import sys
 
@@ -135,7 +145,12 @@ def test_xla_cpu_layout_scratch_is_planned_as_its_buffer_assignment_holds_it(tmp
     out = subprocess.run([sys.executable, str(script), op], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     planned = int(out.stdout.strip().splitlines()[-1])
-    if op == "convolution":
+    kernel = 256 * 256 * 9 * 4
+    if op == "forward":
+        # three convolutions without gradients: XLA:CPU copies all three kernels at the
+        # start of the executable and holds each copy until its convolution
+        result, scratch, activation = None, 3 * kernel, 4 * 256 * 8 * 8 * 4
+    elif op == "convolution":
         # the backward returns a new kernel-sized buffer, the weight's gradient (the
         # forward returns the weight it saves as the caller's input); its scratch: the kernel
         result, scratch, activation = 256 * 256 * 9 * 4, 256 * 256 * 9 * 4, 4 * 256 * 8 * 8 * 4
@@ -145,10 +160,13 @@ def test_xla_cpu_layout_scratch_is_planned_as_its_buffer_assignment_holds_it(tmp
         scratch = 4 * result
     assignments = [p.read_text() for p in dump.glob("*buffer-assignment.txt")]
     x_shape = "f32[4,256,8,8]" if op == "convolution" else "f32[4,64,32,32]"
-    backward = [t for t in assignments if re.search(rf"^allocation \d+: size {result}, maybe-live-out", t, re.M)
-                and f"shape |{x_shape}|" in t]  # reads x (the forward does too, but returns no such buffer)
-    assert len(backward) == 1, [t.splitlines()[:3] for t in assignments]
-    temporaries = sum(int(m) for m in re.findall(r"^allocation \d+: size (\d+), preallocated-temp", backward[0], re.M))
+    if op == "forward":
+        executable = [t for t in assignments if t.count("shape |f32[256,256,3,3]|") == 3]
+    else:
+        executable = [t for t in assignments if re.search(rf"^allocation \d+: size {result}, maybe-live-out", t, re.M)
+                    and f"shape |{x_shape}|" in t]  # reads x (the forward does too, but returns no such buffer)
+    assert len(executable) == 1, [t.splitlines()[:3] for t in assignments]
+    temporaries = sum(int(m) for m in re.findall(r"^allocation \d+: size (\d+), preallocated-temp", executable[0], re.M))
     print(f"\n{op}: XLA's temporaries {temporaries / MIB:.2f} MiB, planned {planned / MIB:.2f} MiB")
     assert temporaries >= scratch
     assert abs(planned - temporaries) <= activation + 64
