@@ -24,9 +24,10 @@ _register()
 
 
 def _adjust_dynamo() -> None:
-    from .dynamo_compat import keep_xla_step_counters_on_host
+    from .dynamo_compat import keep_xla_step_counters_on_host, watch_recompile_limit
 
     keep_xla_step_counters_on_host()
+    watch_recompile_limit()
 
 
 _adjust_dynamo()

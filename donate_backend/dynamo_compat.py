@@ -17,10 +17,20 @@ training (openxla too; measured: AdamW, two groups, StepLR, four steps).
 Here the move skips the counters of XLA parameters in groups that are not
 ``capturable``, which is where eager torch_xla keeps them; CUDA, CPU and
 capturable groups are left to dynamo as before.
+
+Functions dynamo stops compiling are noted. After ``torch._dynamo.config.recompile_limit``
+compiles of one function, dynamo runs it eagerly from then on. torch_xla turns dynamo's
+automatic dynamic shapes off, so a function called with a new size each time reaches the
+limit (Mixtral's experts, one size per expert's token count), and what it computes is then
+lazy torch_xla code in no compiled graph, which no memory plan sees. torch counts no such
+event; dynamo logs a warning (``torch._dynamo hit config.<limit>``, the same message in
+torch 2.9 and 2.15), which a filter on its logger reads and passes on unchanged.
 """
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 
 _MARK = "_donate_xla_keeps_xla_host_steps"
 
@@ -69,3 +79,41 @@ def keep_xla_step_counters_on_host() -> bool:
     setattr(move_step_if_cpu, _MARK, True)
     OptimizerVariable.move_step_if_cpu = move_step_if_cpu
     return True
+
+
+_DYNAMO_LOGGER = "torch._dynamo.convert_frame"
+_LIMIT_MESSAGE = "torch._dynamo hit config."
+_limit_hits: dict = {}  # "'name' (file:line)" -> "recompile_limit (8)"
+_limit_lock = threading.Lock()
+
+
+class _RecompileLimitWatch(logging.Filter):
+    """Notes each function dynamo reports reaching a recompile limit; filters nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message, args = record.msg, record.args
+        if isinstance(message, str) and message.startswith(_LIMIT_MESSAGE):
+            if isinstance(args, tuple) and len(args) >= 3:
+                with _limit_lock:
+                    _limit_hits[str(args[2])] = f"{args[0]} ({args[1]})"
+        return True
+
+
+def watch_recompile_limit() -> bool:
+    """Install the filter on dynamo's logger (once); whether it is in place."""
+    logger = logging.getLogger(_DYNAMO_LOGGER)
+    if not any(isinstance(f, _RecompileLimitWatch) for f in logger.filters):
+        logger.addFilter(_RecompileLimitWatch())
+    return True
+
+
+def recompile_limit_hits() -> dict:
+    """``{function: limit}`` for the functions dynamo stopped compiling since the last
+    ``clear_recompile_limit_hits()``, as its warnings named them."""
+    with _limit_lock:
+        return dict(_limit_hits)
+
+
+def clear_recompile_limit_hits() -> None:
+    with _limit_lock:
+        _limit_hits.clear()

@@ -497,6 +497,17 @@ def memory_plan(
                "until that graph's backward, seen on each graph's first call; none that "
                "saved-tensor hooks packed), its other allocations are not")
         )
+    from .dynamo_compat import recompile_limit_hits
+
+    for function, limit in sorted(recompile_limit_hits().items()):
+        notes.append(
+            f"dynamo reached its {limit} for {function} and runs it eagerly from then on"
+            + (" (lazy torch_xla code)" if path == "xla" else "")
+            + ": what it allocates and saves for the backward is in no compiled graph and not counted "
+            "(a function called with a new size each time reaches the limit where dynamic shapes are "
+            "off, as torch_xla turns them; raise torch._dynamo.config.recompile_limit, or give the "
+            "function fixed sizes)"
+        )
     return MemoryPlan(
         peak_bytes=peak,
         resident_bytes=resident_bytes,

@@ -185,9 +185,12 @@ def discard(records) -> None:
 
 
 def clear_reports() -> None:
+    from .dynamo_compat import clear_recompile_limit_hits
+
     with _lock:
         _records.clear()
         _call_log.clear()
+    clear_recompile_limit_hits()
 
 
 def _mib(nbytes: int) -> str:

@@ -646,3 +646,30 @@ def test_a_limit_on_a_graph_with_symbolic_sizes_warns_instead_of_planning_again(
     assert not any("planned again" in c for c in donate_backend.memory_plan(workspaces=False).choices)
     for got, expected in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_function_dynamo_stopped_compiling_is_named_in_the_plan():
+    """After ``recompile_limit`` compiles of one function dynamo runs it eagerly from then
+    on, and what it computes is in no compiled graph: the plan says which function and
+    that it is not counted (dynamo's warning is the only trace of it; torch_xla's
+    programs reach the limit whenever a function sees a new size each call, as Mixtral's
+    experts do). Cleared with the reports."""
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    layer = torch.nn.Linear(8, 8)
+    step = torch.compile(lambda x: layer(x).sum(), backend="donate_xla")
+
+    def squash(h):
+        return torch.tanh(h) * 2
+
+    squash_compiled = torch.compile(squash, backend="donate_xla")
+    with torch._dynamo.config.patch(recompile_limit=2, automatic_dynamic_shapes=False):
+        for rows in (2, 3, 4, 5):
+            squash_compiled(torch.randn(rows, 8))
+        step(torch.randn(4, 8)).backward()
+    notes = [n for n in donate_backend.memory_plan().notes if "recompile_limit (2)" in n]
+    assert len(notes) == 1 and "'squash'" in notes[0] and "not counted" in notes[0], notes
+    torch._dynamo.reset()
+    donate_backend.clear_reports()
+    step(torch.randn(4, 8)).backward()
+    assert not [n for n in donate_backend.memory_plan().notes if "recompile_limit" in n]
