@@ -99,12 +99,11 @@ class _RecompileLimitWatch(logging.Filter):
         return True
 
 
-def watch_recompile_limit() -> bool:
-    """Install the filter on dynamo's logger (once); whether it is in place."""
+def watch_recompile_limit() -> None:
+    """Install the filter on dynamo's logger (once)."""
     logger = logging.getLogger(_DYNAMO_LOGGER)
     if not any(isinstance(f, _RecompileLimitWatch) for f in logger.filters):
         logger.addFilter(_RecompileLimitWatch())
-    return True
 
 
 def recompile_limit_hits() -> dict:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import report
+from . import dynamo_compat, report
 from .analysis.aliasing import storage_address
 from .errors import DonateXlaError
 from .native import compat as native_compat
@@ -497,9 +497,7 @@ def memory_plan(
                "until that graph's backward, seen on each graph's first call; none that "
                "saved-tensor hooks packed), its other allocations are not")
         )
-    from .dynamo_compat import recompile_limit_hits
-
-    for function, limit in sorted(recompile_limit_hits().items()):
+    for function, limit in sorted(dynamo_compat.recompile_limit_hits().items()):
         notes.append(
             f"dynamo reached its {limit} for {function} and runs it eagerly from then on"
             + (" (lazy torch_xla code)" if path == "xla" else "")

@@ -13,6 +13,8 @@ import logging
 import threading
 from typing import Any, Optional
 
+from . import dynamo_compat
+
 log = logging.getLogger("donate_xla")
 
 
@@ -185,12 +187,10 @@ def discard(records) -> None:
 
 
 def clear_reports() -> None:
-    from .dynamo_compat import clear_recompile_limit_hits
-
     with _lock:
         _records.clear()
         _call_log.clear()
-    clear_recompile_limit_hits()
+    dynamo_compat.clear_recompile_limit_hits()
 
 
 def _mib(nbytes: int) -> str:

@@ -117,12 +117,12 @@ def _layout_scratch(node: torch.fx.Node) -> int:
         # XLA:CPU expands the select-and-scatter: an int32 iota of the pooled input per
         # dimension, and a reduce-window over the window's values and indices, a
         # result-sized buffer each, beside a copy of the incoming gradient.
-        grad, pooled = args[0], args[1]
-        if not isinstance(grad, torch.fx.Node) or not isinstance(pooled, torch.fx.Node):
+        grads = _values(args[0]) if isinstance(args[0], torch.fx.Node) else []
+        pooled = _values(args[1]) if isinstance(args[1], torch.fx.Node) else []
+        if not grads or not pooled:
             return 0
-        shape = _values(pooled)[0]
-        rank = shape.dim()
-        return _size(rank * shape.numel() * 4) + (rank + 2) * _size(_values(grad)[0].numel() * 4)
+        rank = pooled[0].dim()
+        return _size(rank * pooled[0].numel() * 4) + (rank + 2) * _size(grads[0].numel() * 4)
     return 0
 
 
@@ -187,7 +187,6 @@ def predict(
     forward_returns: Optional[int] = None,
     kept_inputs: Sequence[int] = (),
     passed_outputs: Sequence[int] = (),
-    cpu_layouts: Optional[bool] = None,
 ) -> GraphMemory:
     """The executable's memory (see the module docstring), as a ``GraphMemory`` the
     planner composes like a native graph's. ``donors``: indices of the inputs donated;
@@ -195,9 +194,9 @@ def predict(
     saved for the backward); ``kept_inputs``: in a backward segment, the inputs that
     outlive it (a later segment reads them), which it does not release;
     ``passed_outputs``: in a backward, the outputs an earlier graph's backward takes as
-    its tangents (``native.memory.passed_outputs``), counted in ``passed_grad_bytes``;
-    ``cpu_layouts``: count the scratch XLA:CPU's layouts add to some ops
-    (``_layout_scratch``); by default where the runtime is XLA:CPU."""
+    its tangents (``native.memory.passed_outputs``), counted in ``passed_grad_bytes``.
+    Where the runtime is XLA:CPU, the scratch its layouts add is counted too
+    (``_layout_scratch``, ``_hoisted_kernel_copies``)."""
     placeholders = list(graph.find_nodes(op="placeholder"))
     donated = {placeholders[i] for i in donors if i < len(placeholders)}
     written = _writebacks(graph)
@@ -271,8 +270,8 @@ def predict(
         if node.op != "output":
             last_reader(node)
     frees: Dict[int, List[int]] = {}
-    scratch = _layout_scratch if (cpu_layouts if cpu_layouts is not None else _cpu_layouts()) else None
-    hoisted = _hoisted_kernel_copies(graph) if scratch is not None and kind != "backward" else {}
+    cpu_layouts = _cpu_layouts()
+    hoisted = _hoisted_kernel_copies(graph) if cpu_layouts and kind != "backward" else {}
     level = peak = sum(hoisted.values())
     peak_node = "(inputs)"
     for node in graph.nodes:
@@ -282,8 +281,8 @@ def predict(
             frees.setdefault(readers[node], []).append(size)
             if level > peak:
                 peak, peak_node = level, node.name
-        if scratch is not None and node.op == "call_function":
-            extra = scratch(node) - hoisted.get(node, 0)
+        if cpu_layouts and node.op == "call_function":
+            extra = _layout_scratch(node) - hoisted.get(node, 0)
             if extra and level + extra > peak:
                 peak, peak_node = level + extra, node.name
         level -= hoisted.get(node, 0)
