@@ -105,7 +105,10 @@ def _layout_scratch(node: torch.fx.Node) -> int:
     gradient, reversed), and its activation operands into a channels-last layout; a
     max-pool's backward is expanded into int32 indices of the pooled input (one per
     dimension) and a search over each window. The counts here are within one activation
-    of those assignments; the kernel copy and the indices are the large terms."""
+    of those assignments; the kernel copy and the indices are the large terms. A
+    log-softmax whose result is returned holds one more buffer of its input's size (the
+    training forwards of the benchmark GPT, BERT and GPT-2's loss:
+    ``bench/xla_executables.py``)."""
     name = _op_name(node)
     args = node.args
     if name == "convolution" and len(args) >= 2:
@@ -113,6 +116,12 @@ def _layout_scratch(node: torch.fx.Node) -> int:
     if name == "convolution_backward" and len(args) >= 3:
         mask = args[10] if len(args) > 10 else (True, True, True)
         return _arg_bytes(args[2]) + _arg_bytes(args[0]) + (_arg_bytes(args[1]) if mask[0] else 0)
+    if name == "_log_softmax" and args and any(user.op == "output" for user in node.users):
+        # the shifted logits (or their exponentials) in a buffer of their own beside the input
+        # and the returned result (saved for the backward): a language model's training
+        # forward holds two logits-sized temporaries. A result read only inside the graph is
+        # fused into its reader, and that buffer takes its place (counted as the result).
+        return _arg_bytes(args[0])
     if name in ("max_pool2d_backward", "max_pool2d_with_indices_backward") and len(args) >= 2:
         # XLA:CPU expands the select-and-scatter: an int32 iota of the pooled input per
         # dimension, and a reduce-window over the window's values and indices, a
@@ -244,11 +253,16 @@ def predict(
         barrier_user = any(_op_name(u) in _FUSION_BARRIERS for u in node.users)
         if not _fusible(node) or (barrier_user and not is_view(node)):
             materialised.add(node)
-    # A returned view's base is the output buffer, not a temporary.
+    # A returned view's base is the output buffer, not a temporary; so is what an
+    # ``_unsafe_view`` reshapes (XLA's reshape is the same buffer), and every value between.
     for value in list(returned):
-        base = view_base(value)
-        if base is not value:
-            returned.add(base)
+        for _ in range(64):
+            if not (is_view(value) or _op_name(value) == "_unsafe_view") or not value.args:
+                break
+            if not isinstance(value.args[0], torch.fx.Node):
+                break
+            value = value.args[0]
+            returned.add(value)
     # A returned value or a new value written into an input has a buffer of its own,
     # computed where it stands: it is a materialised reader, however fusible its op.
     computed = materialised | {n for n in returned | set(written) if n.op == "call_function"}
