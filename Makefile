@@ -178,6 +178,7 @@ bench: $(STAMP) $(NEWEST_STAMP) $(JAX_STAMP)
 	$(PY) bench/dispatch.py
 	$(PY) bench/spmd.py
 	$(PY) bench/xla_plan_accuracy.py
+	$(PY) bench/xla_executables.py
 	$(PY) bench/native_speed.py
 	$(PY) bench/backward_memory.py
 	$(PY) bench/ddp_memory.py

@@ -67,7 +67,7 @@ from jax_common import jax_python, jax_worker  # noqa: E402
 
 BACKENDS = (
     "donate_xla", "donate_xla_separate", "donate_xla_stitch", "donate_xla_budget", "donate_xla_budget_0.45", "donate_xla_stitch_budget_0.45",
-    "donate_xla_budget_sched", "donate_xla_segments", "donate_xla_segments_budget_0.8", "donate_xla_segments_budget_0.7",
+    "donate_xla_budget_sched", "donate_xla_one_backward", "donate_xla_segments", "donate_xla_segments_budget_0.8", "donate_xla_segments_budget_0.7",
     "donate_xla_limit_0.7", "donate_xla_limit_0.8", "openxla", "openxla_flagged", "lazy", "lazy_sched", "jax", "jax_remat",
 )
 # memory_limit rows: the limit is the default step's predicted resident bytes (parameters,
@@ -84,6 +84,7 @@ MEMORY_SCHEDULER = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_schedul
 VARIANTS = {
     "donate_xla_separate": {"DONATE_XLA_STITCH": "0"},
     "donate_xla_stitch": {"DONATE_XLA_STITCH": "1"},
+    "donate_xla_one_backward": {"DONATE_XLA_BACKWARD_SEGMENTS": "0"},
     "donate_xla_segments": {"DONATE_XLA_BACKWARD_SEGMENTS": "8"},
     "donate_xla_segments_budget_0.8": {"DONATE_XLA_BACKWARD_SEGMENTS": "8", "DONATE_XLA_ACTIVATION_BUDGET": "0.8"},
     "donate_xla_segments_budget_0.7": {"DONATE_XLA_BACKWARD_SEGMENTS": "8", "DONATE_XLA_ACTIVATION_BUDGET": "0.7"},

@@ -454,6 +454,7 @@ def _compile_own(results):
 
 DONATION_ROWS = {
     "donate_xla": "**donate_xla**", "donate_xla_segments": "donate_xla, 8 backward segments",
+    "donate_xla_one_backward": "donate_xla, each backward one executable",
     "donate_xla_segments_budget_0.7": "donate_xla, 8 segments, budget 0.7",
     "donate_xla_segments_budget_0.8": "donate_xla, 8 segments, budget 0.8",
     "donate_xla_stitch": "donate_xla, stitched step", "donate_xla_budget": "donate_xla, budget 0.1",
@@ -646,6 +647,23 @@ def _xla_plan(results):
                "state + measured growth", "error"], rows),
         caption(results("xla_plan_accuracy"), "One fresh process per row, live bytes"),
         *notes,
+    ])
+
+
+@field("xla_executables.table")
+def _xla_executables(results):
+    rows_in = results.get("xla_executables", "results")
+    rows, seen = [], set()
+    for r in rows_in:
+        label = XLA_MODELS.get(r["model"]) or f"{r['model']} (tests/real_models.py, sized up)"
+        planned = "planned_temporaries" in r
+        rows.append([label if r["model"] not in seen else "", r["graph"],
+                     mib(r["xla_temporaries"]), mib(r["planned_temporaries"]) if planned else "",
+                     mib(r["xla_outputs"]), mib(r["planned_outputs"]) if planned else ""])
+        seen.add(r["model"])
+    return "\n\n".join([
+        table(["model", "executable", "temporaries: XLA (MiB)", "planned", "outputs: XLA (MiB)", "planned"], rows),
+        caption(results("xla_executables"), "One fresh process per model, XLA's dump of every executable"),
     ])
 
 

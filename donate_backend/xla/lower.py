@@ -64,6 +64,9 @@ class LoweredGraph:
     # seconds per stage: ("trace", ...), ("plan", ...), ("xla compile", ...)
     phases: tuple = ()
     request: Optional["LoweringRequest"] = dataclasses.field(default=None, repr=False, compare=False)
+    # the HLO constant that tells this graph apart in torch_xla's cache (``graph_fingerprint``);
+    # it also names the graph's module in XLA's dumps (``bench/xla_executables.py``)
+    fingerprint: Optional[int] = None
 
     def as_text(self) -> str:
         head = f"{self.graph_name}: lowered"
@@ -220,6 +223,7 @@ def _lower_live(
                     donors, traced, live.constants_uploaded, None, hlo, 0, computation,
                     phases=(("trace", traced_at - started), ("plan", planned_at - traced_at),
                             ("xla computation", time.perf_counter() - planned_at)),
+                    fingerprint=fingerprint,
                 )
             aliased = _compile_into_cache(plan.tensors, graph_hash)
             return LoweredGraph(
@@ -227,6 +231,7 @@ def _lower_live(
                 donors, traced, live.constants_uploaded, None, hlo, aliased,
                 phases=(("trace", traced_at - started), ("plan", planned_at - traced_at),
                         ("xla compile", time.perf_counter() - planned_at)),
+                fingerprint=fingerprint,
             )
         finally:
             plan.tensors.clear()
