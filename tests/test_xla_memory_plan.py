@@ -180,6 +180,29 @@ def test_xla_cpu_layout_scratch_is_planned_as_its_buffer_assignment_holds_it(tmp
     assert abs(planned - temporaries) <= activation + 64
 
 
+def test_a_value_fused_again_into_a_later_reader_keeps_what_it_reads_alive():
+    """``z = x @ w + b`` is returned, and ``(z * 2).sum()`` reads it again at the end of the
+    graph. XLA computes ``z`` for the output and fuses ``+ b`` and ``* 2`` into the sum too,
+    reading the matmul's result there: the matmul lives until the sum, beside the second
+    matmul computed in between (BART's logits plus their bias, returned and fused again into
+    its loss: 32 MiB of temporaries in XLA's buffer assignment, 16 planned before)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from donate_backend.xla import memory
+
+    def forward(x, w, b, w2):
+        z = x @ w + b
+        u = torch.relu(x @ w2)
+        return z, (z * 2).sum() + u.sum()
+
+    args = [torch.randn(256, 256), torch.randn(256, 256), torch.randn(256), torch.randn(256, 256)]
+    graph = make_fx(forward, tracing_mode="fake")(*args).graph
+    predicted = memory.predict(graph, "forward", "inference")
+    one = 256 * 256 * 4
+    # x @ w and x @ w2 (and a sum's scalar)
+    assert 2 * one <= dict(predicted.peak_parts)["temporaries"] < 2 * one + 64
+
+
 def test_a_returned_reshape_of_a_matmul_is_the_output_buffer_not_a_temporary():
     """``torch.matmul`` of a 3-d input is a ``view``, an ``mm`` and an ``_unsafe_view`` back to
     3-d. XLA's reshape is the same buffer, so the ``mm`` writes the returned output: it is no

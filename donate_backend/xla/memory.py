@@ -267,6 +267,27 @@ def predict(
     # computed where it stands: it is a materialised reader, however fusible its op.
     computed = materialised | {n for n in returned | set(written) if n.op == "call_function"}
     readers: Dict[torch.fx.Node, int] = {}  # node -> index of its last materialised reader
+    # XLA fuses an elementwise op into every op that reads it, also where its value is
+    # computed on its own for another reader (returned, or read by a matmul): BART's logits
+    # plus a bias are returned and fused again into the loss's log-softmax, so the matmul
+    # under them lives until the loss. node -> index of the last op that fuses node in.
+    fused_into: Dict[torch.fx.Node, int] = {}
+
+    def fused_reach(node: torch.fx.Node) -> int:
+        if node in fused_into:
+            return fused_into[node]
+        last = -1
+        for user in node.users:
+            if user.op != "call_function" or _op_name(user) in _FUSION_BARRIERS:
+                continue  # the output, or a matmul: they read the computed value
+            if is_view(user):
+                last = max(last, fused_reach(user))
+            elif _fusible(user):
+                last = max(last, order[user], fused_reach(user))
+            else:
+                last = max(last, order[user])
+        fused_into[node] = last
+        return last
 
     def last_reader(node: torch.fx.Node) -> int:
         if node in readers:
@@ -275,6 +296,8 @@ def predict(
         for user in node.users:
             if user.op == "output" or user in computed:
                 last = max(last, order[user])
+                if user.op == "call_function" and _fusible(user):
+                    last = max(last, fused_reach(user))
             else:
                 last = max(last, last_reader(user))
         readers[node] = last
@@ -282,6 +305,7 @@ def predict(
 
     for node in reversed(list(graph.nodes)):  # users first: no deep recursion
         if node.op != "output":
+            fused_reach(node)
             last_reader(node)
     frees: Dict[int, List[int]] = {}
     cpu_layouts = _cpu_layouts()
