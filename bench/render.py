@@ -661,9 +661,18 @@ def _xla_executables(results):
                      mib(r["xla_temporaries"]), mib(r["planned_temporaries"]) if planned else "",
                      mib(r["xla_outputs"]), mib(r["planned_outputs"]) if planned else ""])
         seen.add(r["model"])
+    planned = [r for r in rows_in if "planned_temporaries" in r]
+    close = [r for r in planned if abs(r["planned_temporaries"] - r["xla_temporaries"]) <= MIB]
+    equal = [r for r in planned if abs(r["planned_outputs"] - r["xla_outputs"]) <= 65536]
+    worst = max(planned, key=lambda r: abs(r["planned_temporaries"] - r["xla_temporaries"]))
+    summary = (f"Of the {len(planned)} executables with a plan, the outputs agree within 64 KiB in {len(equal)}, "
+               f"the temporaries within 1 MiB in {len(close)}; the largest difference: {worst['model']}, "
+               f"{worst['graph']}, {mib(worst['planned_temporaries'])} MiB planned against "
+               f"{mib(worst['xla_temporaries'])}.")
     return "\n\n".join([
         table(["model", "executable", "temporaries: XLA (MiB)", "planned", "outputs: XLA (MiB)", "planned"], rows),
         caption(results("xla_executables"), "One fresh process per model, XLA's dump of every executable"),
+        summary,
     ])
 
 

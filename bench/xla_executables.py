@@ -112,7 +112,7 @@ def rows_for(model_name: str, planned: dict, executables: list) -> list:
             row.update(graph=known[0]["name"], kind=known[0]["kind"], planned_temporaries=known[0]["temporaries"],
                        planned_outputs=known[0]["outputs"], peak_node=known[0]["peak_node"])
         else:
-            row.update(graph=f"stitched step ({len(known)} graphs)", kind="stitched")
+            row.update(graph=f"stitched step ({len(known)} graph{'s' if len(known) > 1 else ''})", kind="stitched")
         rows.append(row)
     return rows
 
