@@ -15,9 +15,14 @@ it, or when a dot or convolution reads it (XLA does not fuse into those).
 A materialised value lives until the last materialised node that reads it,
 directly or through fused ones; a returned value, and a new value written into
 an input, are materialised readers too (their buffer is computed where they
-stand, not at the end of the graph). The temporaries block is the most bytes of
-such values live at any node, in graph order, with what XLA:CPU's layouts add
-while some ops run (``_layout_scratch``: convolutions, a max-pool's backward).
+stand, not at the end of the graph). An elementwise value computed for one
+reader is fused again into its other elementwise readers, so what it reads
+lives until the last of those too. A returned view or reshape is its base's
+buffer. The temporaries block is the most bytes of such values live at any
+node, in graph order, with what XLA:CPU adds while some ops run
+(``_layout_scratch``: convolutions, a max-pool's backward, a log-softmax whose
+result is returned). ``bench/xla_executables.py`` sets these figures beside
+XLA's buffer assignment of each executable.
 
 After the executable: its outputs are live (a forward's to the caller and
 saved for its backward, a backward's gradients); a backward's saved
