@@ -65,6 +65,9 @@ class StorageTracker(TorchDispatchMode):
         for ref in dead:
             self.live_bytes -= self._live.pop(ref)
 
+    # Eager code between compiled graphs runs with dynamo's frame hook set (Whisper's
+    # encoder): dynamo must not compile the tracker's own bookkeeping there.
+    @torch._dynamo.disable
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._sweep()  # before the op: a freed storage's address may come back
         inputs = {

@@ -311,6 +311,48 @@ def test_saved_by_eager_autograd_never_unpacks_what_hooks_packed():
     assert not [f for f in compat.saved_by_eager_autograd([saved_on_cpu]) if f.shape == saved_on_cpu.shape]
 
 
+def test_a_saved_tensor_read_through_pass_through_hooks_leaves_the_backward_unchanged():
+    """The reading torch 2.9 needs (and any torch has): ``register_hooks`` hands the pack
+    hook the tensor the handle holds, the same storage; the backward then unpacks it
+    through the hooks and computes eager's gradient. A second read is refused (hooks are
+    set), as is a read of a handle hooks packed already or a backward freed."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    expected = torch.autograd.grad(torch.tanh(w @ w).exp().sum(), w)[0]
+    t = torch.tanh(w @ w)
+    e = t.exp()
+    held = compat._held_through_identity_hooks(e.grad_fn._raw_saved_result)
+    assert held is not None and held.untyped_storage().data_ptr() == e.untyped_storage().data_ptr()
+    assert torch.equal(held, e)
+    assert compat._held_through_identity_hooks(e.grad_fn._raw_saved_result) is None
+    e.sum().backward()
+    assert torch.equal(w.grad, expected)
+    assert compat._held_through_identity_hooks(t.grad_fn._raw_saved_result) is None  # freed
+
+    calls = []
+
+    def region(x):
+        calls.append(1)
+        return torch.tanh(x @ w).exp()
+
+    out = checkpoint(region, torch.randn(4, 8), use_reentrant=False)
+    assert compat._held_through_identity_hooks(out.grad_fn._raw_saved_result) is None
+    assert len(calls) == 1
+
+
+def test_saved_by_eager_autograd_leaves_out_the_parameters_eager_ops_saved():
+    """A matmul saves its weight (a leaf that requires grad, resident between steps) and its
+    input: only the input is found, on every torch, whichever way the handle is read."""
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True).tanh()
+    found = compat.saved_by_eager_autograd([x @ w])
+    shared = {f.untyped_storage().data_ptr() for f in found}
+    assert w.untyped_storage().data_ptr() not in shared
+    assert x.untyped_storage().data_ptr() in shared
+
+
 def test_saved_by_eager_autograd_finds_nothing_where_nodes_hide_what_they_saved(monkeypatch):
     """A torch whose autograd nodes have no saved-variable handles: nothing is found (the
     memory plan then counts only what eager code passes to a graph)."""

@@ -45,8 +45,13 @@ directly. Every guard has a test that removes the API by monkeypatching
   read from the node's ``_raw_saved_*`` handle (``SavedTensor.data``) without
   unpacking it, and skipped where saved-tensor hooks packed it (its
   ``unpack_hook``: unpacking would run them: a checkpointed region would be
-  recomputed, ``save_on_cpu`` would copy back). Empty where the handles have no
-  ``data`` and ``unpack_hook`` (torch 2.9), which cannot tell a hooked one apart.
+  recomputed, ``save_on_cpu`` would copy back). A saved leaf that requires grad (a
+  parameter an eager op read) is left out by its storage, reached through its
+  ``AccumulateGrad`` node: the read may hand back a detached alias of it. torch 2.9's handles have no
+  ``data`` and ``unpack_hook``: there each is read by registering a pair of
+  hooks that pass the tensor through unchanged (``register_hooks`` hands the
+  pack hook the saved tensor at once, and refuses a handle that hooks packed
+  already). Empty where the handles have neither way.
 - ``as_boxed(fn)``: a function marked with ``_boxed_call``. In torch 2.13,
   ``GraphModule._boxed_call`` is read-only, so we never set it on a module;
   we always mark a plain function we own.
@@ -366,9 +371,9 @@ _SAVED_PREFIX = "_raw_saved_"  # a grad_fn node's handles of what it saved
 
 def _packed_tensor(saved) -> Optional[torch.Tensor]:
     """The tensor a saved-variable handle holds, read without unpacking it; None where
-    hooks packed it or this torch cannot tell (see above)."""
+    hooks packed it (see above)."""
     if not hasattr(saved, "unpack_hook") or not hasattr(saved, "data"):
-        return None
+        return _held_through_identity_hooks(saved)
     try:
         if saved.unpack_hook is not None:
             return None
@@ -378,16 +383,49 @@ def _packed_tensor(saved) -> Optional[torch.Tensor]:
     return data if isinstance(data, torch.Tensor) else None
 
 
+def _held_through_identity_hooks(saved) -> Optional[torch.Tensor]:
+    """torch 2.9, whose handles show neither ``data`` nor ``unpack_hook``: the handle's
+    documented ``register_hooks(pack, unpack)`` calls ``pack`` at once with the tensor the
+    handle holds (detached, the same storage). Registered with a pack and an unpack that
+    return what they are given, the saved variable keeps the same tensor and the backward
+    unpacks it as before. ``register_hooks`` refuses a handle that hooks packed already (a
+    checkpointed region, ``save_on_cpu``, or this function on an earlier walk) and one a
+    backward has freed: None for those, and nothing is unpacked."""
+    register = getattr(saved, "register_hooks", None)
+    if register is None:
+        return None
+    held: List[torch.Tensor] = []
+
+    def pack(tensor):
+        held.append(tensor)
+        return tensor
+
+    try:
+        register(pack, _unchanged)
+    except RuntimeError:
+        return None
+    return held[0] if held and isinstance(held[0], torch.Tensor) else None
+
+
+def _unchanged(tensor):
+    return tensor
+
+
 def reads_saved_tensors() -> bool:
     """Whether this torch's saved-variable handles can be read without unpacking them
     (``saved_by_eager_autograd`` finds nothing where they cannot)."""
     handle = getattr(getattr(torch._C, "_autograd", None), "SavedTensor", None)
-    return handle is not None and all(hasattr(handle, name) for name in ("data", "unpack_hook"))
+    if handle is None:
+        return False
+    return all(hasattr(handle, name) for name in ("data", "unpack_hook")) or hasattr(handle, "register_hooks")
 
 
 def saved_by_eager_autograd(tensors) -> List[torch.Tensor]:
     """See above."""
+    from ..analysis.aliasing import storage_address
+
     out: List[torch.Tensor] = []
+    leaves = set()  # storages of the leaves the walk reaches (parameters: resident, not saved)
     stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     visited = {}  # id -> node, kept alive: a wrapper freed early would hand its id to another
     while stack:
@@ -397,6 +435,9 @@ def saved_by_eager_autograd(tensors) -> List[torch.Tensor]:
         visited[id(node)] = node
         if "CompiledFunction" in type(node).__name__:
             continue  # a compiled graph's backward: its saved tensors are that graph's own
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if isinstance(leaf, torch.Tensor):
+            leaves.add(storage_address(leaf))
         for name in dir(node):
             if not name.startswith(_SAVED_PREFIX):
                 continue
@@ -409,4 +450,5 @@ def saved_by_eager_autograd(tensors) -> List[torch.Tensor]:
                 if tensor is not None:
                     out.append(tensor)
         stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
-    return out
+    leaves.discard(None)
+    return [t for t in out if storage_address(t) not in leaves]
