@@ -261,13 +261,7 @@ def predict(
     # A returned view's base is the output buffer, not a temporary; so is what an
     # ``_unsafe_view`` reshapes (XLA's reshape is the same buffer), and every value between.
     for value in list(returned):
-        for _ in range(64):
-            if not (is_view(value) or _op_name(value) == "_unsafe_view") or not value.args:
-                break
-            if not isinstance(value.args[0], torch.fx.Node):
-                break
-            value = value.args[0]
-            returned.add(value)
+        returned.update(view_chain(value, through_reshapes=True))
     # A returned value or a new value written into an input has a buffer of its own,
     # computed where it stands: it is a materialised reader, however fusible its op.
     computed = materialised | {n for n in returned | set(written) if n.op == "call_function"}
@@ -391,13 +385,24 @@ def aliased_outputs(graph: torch.fx.Graph):
     return {i for i, v in enumerate(value) if isinstance(v, torch.fx.Node) and view_base(v).op == "placeholder"}
 
 
+def view_chain(node: torch.fx.Node, through_reshapes: bool = False) -> List[torch.fx.Node]:
+    """``node``, the node it is a view of, that node's base, and so on to the first node
+    that is no view. With ``through_reshapes``, an ``_unsafe_view`` counts as a view too:
+    in XLA a reshape is the same buffer (aot_autograd's graphs use it where eager would
+    copy, so it is no alias for the donation rules)."""
+    chain = [node]
+    for _ in range(64):
+        viewing = is_view(node) or (through_reshapes and _op_name(node) == "_unsafe_view")
+        if not viewing or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            break
+        node = node.args[0]
+        chain.append(node)
+    return chain
+
+
 def view_base(node: torch.fx.Node) -> torch.fx.Node:
     """The node ``node`` is a view of (itself if it is none)."""
-    for _ in range(64):
-        if not is_view(node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
-            return node
-        node = node.args[0]
-    return node
+    return view_chain(node)[-1]
 
 
 def predict_or_none(gm: torch.fx.GraphModule, name: str, kind: str, **kwargs) -> Optional[GraphMemory]:
