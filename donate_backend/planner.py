@@ -490,19 +490,23 @@ def memory_plan(
     if forwards > 1:
         notes.append(
             f"the step's forward runs {forwards} compiled graphs (graph breaks): the code between them "
-            + ("runs in torch_xla's lazy mode, outside any compiled graph, and what it holds until "
-               "the next torch_xla.sync() is not counted" if path == "xla" else
-               "runs eagerly: what it passes to a graph and what its own autograd saves for the "
-               f"backward are counted ({sum(eager_of.values()) / 1024:.1f} KiB, as activations held "
-               "until that graph's backward, seen on each graph's first call; none that "
-               "saved-tensor hooks packed), its other allocations are not")
+            + ("runs in torch_xla's lazy mode, outside any compiled graph: " if path == "xla" else
+               "runs eagerly: ")
+            + "what it passes to a graph and what its own autograd saves for the "
+            f"backward are counted ({sum(eager_of.values()) / 1024:.1f} KiB, as activations held "
+            "until that graph's backward, seen on each graph's first call"
+            + (" and again once dynamo stopped compiling a function" if path == "xla" else "")
+            + "; none that saved-tensor hooks packed), its other allocations are not"
+            + (" (the lazy graphs torch_xla runs for it, and their temporaries)" if path == "xla" else "")
         )
     for function, limit in sorted(dynamo_compat.recompile_limit_hits().items()):
         notes.append(
             f"dynamo reached its {limit} for {function} and runs it eagerly from then on"
-            + (" (lazy torch_xla code)" if path == "xla" else "")
-            + ": what it allocates and saves for the backward is in no compiled graph and not counted "
-            "(a function called with a new size each time reaches the limit where dynamic shapes are "
+            + (" (lazy torch_xla code): what it saves for the backward and passes to the next graph "
+               "is counted as the code between graph breaks is (above), what else it allocates "
+               "is not " if path == "xla" else
+               ": what it allocates and saves for the backward is in no compiled graph and not counted ")
+            + "(a function called with a new size each time reaches the limit where dynamic shapes are "
             "off, as torch_xla turns them; raise torch._dynamo.config.recompile_limit, or give the "
             "function fixed sizes)"
         )

@@ -118,6 +118,9 @@ class GraphRecord:
     # native forward: ``(storage, bytes)`` of what eager code run before it saved for its
     # backward, as its first call found them (``native.memory.eager_saved``)
     eager_saved: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    # XLA forward: how many functions dynamo had stopped compiling when ``eager_saved`` was
+    # found (found again at the next call once that number grows: ``xla.memory.note_call``)
+    eager_saved_after_limits: int = dataclasses.field(default=0, repr=False, compare=False)
 
     @property
     def name(self) -> str:

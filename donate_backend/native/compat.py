@@ -420,10 +420,13 @@ def reads_saved_tensors() -> bool:
     return all(hasattr(handle, name) for name in ("data", "unpack_hook")) or hasattr(handle, "register_hooks")
 
 
-def saved_by_eager_autograd(tensors) -> List[torch.Tensor]:
-    """See above."""
+def saved_by_eager_autograd(tensors, identity: Optional[Callable] = None) -> List[torch.Tensor]:
+    """See above. ``identity(tensor)``: what tells a leaf's aliases apart from other tensors
+    (default: its storage's address; an XLA tensor has none, and the XLA path passes the
+    tensor's id in torch_xla)."""
     from ..analysis.aliasing import storage_address
 
+    identity = identity or storage_address
     out: List[torch.Tensor] = []
     leaves = set()  # storages of the leaves the walk reaches (parameters: resident, not saved)
     stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -437,7 +440,7 @@ def saved_by_eager_autograd(tensors) -> List[torch.Tensor]:
             continue  # a compiled graph's backward: its saved tensors are that graph's own
         leaf = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
         if isinstance(leaf, torch.Tensor):
-            leaves.add(storage_address(leaf))
+            leaves.add(identity(leaf))
         for name in dir(node):
             if not name.startswith(_SAVED_PREFIX):
                 continue
@@ -451,4 +454,4 @@ def saved_by_eager_autograd(tensors) -> List[torch.Tensor]:
                     out.append(tensor)
         stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
     leaves.discard(None)
-    return [t for t in out if storage_address(t) not in leaves]
+    return [t for t in out if identity(t) not in leaves]

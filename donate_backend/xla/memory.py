@@ -440,6 +440,8 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
         _watch_gradients(record)
     if record.first_call is not None:
         report.mark_call(record)
+        if record.kind == "forward" and record.eager_saved_after_limits != _limits_reached():
+            _note_eager_saved(record, args)
         return
     report.mark_first_call(record)
     if record.kind == "backward":
@@ -455,11 +457,84 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
         if role == "parameter" and isinstance(value, torch.Tensor)
     )
     inputs = {id(v) for v in args}
-    record.returned = frozenset(  # an input returned as it is stays the caller's
-        ("xla", id(v)) for v in outputs if isinstance(v, torch.Tensor) and id(v) not in inputs
+    made = [v for v in outputs if isinstance(v, torch.Tensor) and id(v) not in inputs]
+    # an input returned as it is stays the caller's; each output also by its torch_xla
+    # id, which an alias of it that eager autograd saved shares (``eager_saved``)
+    record.returned = frozenset(("xla", id(v)) for v in made) | frozenset(
+        key for key in map(_tensor_key, made) if key is not None
     )
+    if record.kind == "forward":
+        _note_eager_saved(record, args)
     if record.kind == "forward" and forward_returns is not None:
         record.output_storages = _tensor_refs([v for v in list(outputs)[:forward_returns] if id(v) not in inputs])
+
+
+def _limits_reached() -> int:
+    from .. import dynamo_compat
+
+    return len(dynamo_compat.recompile_limit_hits())
+
+
+def _note_eager_saved(record, args: Sequence) -> None:
+    """A forward's ``eager_saved``: found at its first call, and again at its next call
+    each time dynamo has stopped compiling one more function. From then on that function
+    runs in lazy mode (torch_xla turns dynamic shapes off, so a function called with a new
+    size each time reaches the limit: Mixtral's experts), and what it saves for the
+    backward lies between the graphs of later steps, not of the first."""
+    found = eager_saved(args)
+    if record.eager_saved_after_limits != _limits_reached():
+        # found again: the arguments of the first call that eager code made stay named,
+        # with no bytes, so that the plan still knows those inputs (``held_inputs``, taken
+        # at the first call) as values of the step, not as tensors held between steps
+        named = {key for key, _ in found}
+        found += tuple((key, 0) for key, _ in record.eager_saved if key[0] == "xla" and key not in named)
+    record.eager_saved_after_limits = _limits_reached()
+    record.eager_saved = found
+
+
+def _tensor_key(value: torch.Tensor):
+    """An XLA tensor's identity in torch_xla, shared by its aliases (a detached copy, or
+    what a saved-variable handle gives back); None for a tensor of another device."""
+    from . import compat
+
+    if not isinstance(value, torch.Tensor) or value.device.type != "xla":
+        return None
+    try:
+        return ("xla-tensor", compat.tensor_id(value))
+    except Exception:  # noqa: BLE001  (not an XLA tensor torch_xla can name)
+        return None
+
+
+def eager_saved(args: Sequence) -> tuple:
+    """``(identity, bytes)`` of what code run eagerly before a forward (torch_xla's lazy
+    mode, between graph breaks) made in the step and holds into the backward: the
+    tensors its autograd saved, reached from the forward's arguments, and the arguments
+    it computed (with a ``grad_fn``), as ``native.memory.eager_saved`` finds them. Each
+    has a buffer of its own by the time the forward runs: a call first syncs every live
+    tensor with pending IR (``ownership.materialize_pending``). Parameters, views of
+    them and leaves that require grad are resident and left out."""
+    from ..native import compat as native_compat
+
+    out: Dict[object, int] = {}
+    made = [a for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None]
+    aliases = {_tensor_key(a) for a in made}  # a saved alias of an argument is that argument
+    # an argument another compiled graph returned is that graph's output
+    made = [a for a in made if "CompiledFunction" not in type(a.grad_fn).__name__]
+    saved = [t for t in native_compat.saved_by_eager_autograd(args, identity=_tensor_key)
+             if _tensor_key(t) not in aliases]
+    for value in made + saved:
+        if isinstance(value, torch.nn.Parameter) or (value.is_leaf and value.requires_grad):
+            continue
+        base = value._base
+        if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
+            continue
+        key = _tensor_key(value)
+        if key is not None and key not in out:
+            out[key] = xla_bytes(value)
+    # each argument also as ``held_inputs`` names it (the Python object), with no bytes:
+    # the plan then knows it as a value of the step, not a tensor held between steps
+    out.update({("xla", id(a)): 0 for a in made if _tensor_key(a) in out})
+    return tuple(out.items())
 
 
 class _TensorRef:
