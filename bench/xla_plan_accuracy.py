@@ -67,7 +67,7 @@ def _real_model(name: str, device):
 
     with real_models.sized(**REAL_SIZE):
         spec = real_models.MODELS[name]
-        model = spec.build().to(device)
+        model = spec.build_on(device)
         batch = {k: v.to(device) for k, v in spec.batch(0).items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 

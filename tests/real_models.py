@@ -254,6 +254,16 @@ class RealModel:
         torch.manual_seed(seed)
         return self.make().train()
 
+    def build_on(self, device, seed: int = 0) -> torch.nn.Module:
+        """``build(seed)`` moved to ``device`` with its tied weights tied again. Moving a
+        module to an XLA device gives each parameter a new tensor, which unties an HF
+        model's input and output embeddings (and BART's three uses of one); HF's Trainer
+        calls ``tie_weights()`` after the move for that reason, and so does this."""
+        model = self.build(seed).to(device)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        return model
+
 
 MODELS: Dict[str, RealModel] = {
     "gpt2": RealModel("gpt2", gpt2, _lm_batch, _hf_loss, "transformers"),

@@ -337,7 +337,7 @@ def real_model_check(name: str, compile_how: str) -> None:
         return {"input_ids": ids, "labels": ids}
 
     def run(how: str) -> dict:
-        model = real.build().to(device)
+        model = real.build_on(device)
         for p in model.parameters():
             if p.shape[0] % n == 0:
                 xs.mark_sharding(p, mesh, ("data",) + (None,) * (p.dim() - 1))

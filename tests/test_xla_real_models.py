@@ -59,7 +59,7 @@ CHAOTIC_EAGER_LOSS_TOL = dict(rtol=5e-3, atol=1e-6)
 def _train(name: str, compile_how: str | None, backend: str = "donate_xla", checkpointing: dict | None = None):
     real = MODELS[name]
     device = torch_xla.device()
-    model = real.build().to(device)
+    model = real.build_on(device)
     if checkpointing is not None:  # HF's activation checkpointing, with these kwargs
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)

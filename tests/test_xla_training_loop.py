@@ -71,7 +71,7 @@ def _loop(mode):
     real = MODELS[MODEL]
     device = torch_xla.device()
     torch.manual_seed(0)
-    model = real.build().to(device)
+    model = real.build_on(device)
     # the learning rate as a tensor, as docs/trainers.md recommends: the scheduler writes a new
     # value into it every step, and the compiled step reads it instead of recompiling for it
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(LR))
