@@ -32,8 +32,11 @@ torchvision), built at width 256, vocabulary 4096, 8 x 128 tokens
 (``real_models.sized``: at the tests' size their buffers are below the 64 KiB that
 RSS can tell apart), whole step with AdamW, default settings only.
 
+With ``--repeats N`` each row runs in N fresh processes, interleaved over the rows, and
+the run with the median measured growth is kept (the others' growth beside it).
+
 Usage: python bench/xla_plan_accuracy.py [--models a,b] [--settings default,stitch]
-       [--json out.json]
+       [--repeats N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -172,6 +175,8 @@ def main() -> int:
     parser.add_argument("--worker", default=None, help="internal: one run")
     parser.add_argument("--verbose", action="store_true", help="print each plan")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="fresh processes per row, interleaved over the rows; the median growth is kept")
     options = parser.parse_args()
     if options.worker:
         print(json.dumps(worker(options.worker)))
@@ -179,40 +184,51 @@ def main() -> int:
     import xla_common
 
     rows = []
-    print("xla_plan_accuracy: XLA:CPU, live bytes (MALLOC_MMAP_THRESHOLD_=65536), one fresh process per row")
-    for model_name in options.models.split(","):
-        settings = options.settings.split(",")
-        for setting in (["default"] if model_name in REAL_MODELS and "default" in settings else []) or settings:
+    print("xla_plan_accuracy: XLA:CPU, live bytes (MALLOC_MMAP_THRESHOLD_=65536), one fresh process per row"
+          + (f", {options.repeats} interleaved repeats (median growth)" if options.repeats > 1 else ""))
+    settings = options.settings.split(",")
+    cells = [(model_name, setting) for model_name in options.models.split(",")
+             for setting in (["default"] if model_name in REAL_MODELS and "default" in settings else []) or settings]
+    runs: dict = {cell: [] for cell in cells}
+    for _ in range(options.repeats):
+        for model_name, setting in cells:
             env = dict(SETTINGS[setting], MALLOC_MMAP_THRESHOLD_="65536")
             try:
-                r = xla_common.run_worker(__file__, "--worker", model_name, env=env)
+                runs[(model_name, setting)].append(xla_common.run_worker(__file__, "--worker", model_name, env=env))
             except Exception as error:  # a failing row is reported, the rest still run
                 print(f"  {model_name:<17} {setting:<8} failed: {str(error)[-400:]}")
-                continue
-            growth_error = r["predicted_growth"] / r["measured_growth"] - 1
-            measured_peak = r["state"] + r["measured_growth"]
-            peak_error = r["predicted_peak"] / measured_peak - 1
-            print(
-                f"  {model_name:<17} {setting:<8} growth: predicted {r['predicted_growth'] / MIB:7.1f} MiB, measured "
-                f"{r['measured_growth'] / MIB:7.1f} ({growth_error:+.1%}); peak: predicted "
-                f"{r['predicted_peak'] / MIB:7.1f}, state + measured growth {measured_peak / MIB:7.1f} "
-                f"({peak_error:+.1%}); resident predicted {r['predicted_resident'] / MIB:.1f}, state {r['state'] / MIB:.1f}",
-                flush=True,
-            )
-            if r["compiles"]:
-                print(f"    XLA compiled {r['compiles']} times in the measured steps: {r['samples_left_out']} samples "
-                      f"left out; growth with them {r['growth_with_compiles'] / MIB:.1f} MiB", flush=True)
-            if options.verbose:
-                print("    " + r["plan"].replace("\n", "\n    "))
-            rows.append(dict(model=model_name, setting=setting, growth_error=growth_error, peak_error=peak_error,
-                             **{k: v for k, v in r.items() if k != "plan"}))
+    for (model_name, setting), done in runs.items():
+        if not done:
+            continue
+        done.sort(key=lambda r: r["measured_growth"])
+        r = dict(done[len(done) // 2])  # the median run (the upper one of an even count)
+        r["measured_growth_runs"] = [run["measured_growth"] for run in done]
+        growth_error = r["predicted_growth"] / r["measured_growth"] - 1
+        measured_peak = r["state"] + r["measured_growth"]
+        peak_error = r["predicted_peak"] / measured_peak - 1
+        spread = (f" [{done[0]['measured_growth'] / MIB:.1f}-{done[-1]['measured_growth'] / MIB:.1f}]"
+                  if len(done) > 1 else "")
+        print(
+            f"  {model_name:<17} {setting:<8} growth: predicted {r['predicted_growth'] / MIB:7.1f} MiB, measured "
+            f"{r['measured_growth'] / MIB:7.1f}{spread} ({growth_error:+.1%}); peak: predicted "
+            f"{r['predicted_peak'] / MIB:7.1f}, state + measured growth {measured_peak / MIB:7.1f} "
+            f"({peak_error:+.1%}); resident predicted {r['predicted_resident'] / MIB:.1f}, state {r['state'] / MIB:.1f}",
+            flush=True,
+        )
+        if r["compiles"]:
+            print(f"    XLA compiled {r['compiles']} times in the measured steps: {r['samples_left_out']} samples "
+                  f"left out; growth with them {r['growth_with_compiles'] / MIB:.1f} MiB", flush=True)
+        if options.verbose:
+            print("    " + r["plan"].replace("\n", "\n    "))
+        rows.append(dict(model=model_name, setting=setting, growth_error=growth_error, peak_error=peak_error,
+                         **{k: v for k, v in r.items() if k != "plan"}))
     if rows:
         worst = max(rows, key=lambda r: abs(r["peak_error"]))
         print(f"largest peak error: {worst['model']} [{worst['setting']}] {worst['peak_error']:+.1%}; largest growth "
               f"error: {max(abs(r['growth_error']) for r in rows):.1%}")
     from measure import write_results
 
-    write_results("xla_plan_accuracy", rows, repeats=1, steps=4, path=options.json, settings=SETTINGS)
+    write_results("xla_plan_accuracy", rows, repeats=options.repeats, steps=4, path=options.json, settings=SETTINGS)
     return 0
 
 
