@@ -177,7 +177,7 @@ bench: $(STAMP) $(NEWEST_STAMP) $(JAX_STAMP)
 		--backends donate_xla,donate_xla_separate,donate_xla_stitch,openxla,lazy --json bench/results/donation_default.json
 	$(PY) bench/dispatch.py
 	$(PY) bench/spmd.py
-	$(PY) bench/xla_plan_accuracy.py
+	$(PY) bench/xla_plan_accuracy.py --repeats 3
 	$(PY) bench/xla_executables.py
 	$(PY) bench/native_speed.py
 	$(PY) bench/backward_memory.py
