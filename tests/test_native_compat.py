@@ -342,6 +342,19 @@ def test_a_saved_tensor_read_through_pass_through_hooks_leaves_the_backward_unch
     assert len(calls) == 1
 
 
+def test_a_handle_that_can_be_read_neither_way_gives_nothing_and_never_raises():
+    """A handle with no ``data``, no ``unpack_hook`` and no ``register_hooks``, or one whose
+    ``register_hooks`` refuses in a way this torch does not (a TypeError): nothing is read,
+    and the walk (run inside a training step's first call) goes on."""
+
+    class Refusing:
+        def register_hooks(self, pack, unpack):
+            raise TypeError("no hooks here")
+
+    assert compat._packed_tensor(object()) is None
+    assert compat._packed_tensor(Refusing()) is None
+
+
 def test_saved_by_eager_autograd_leaves_out_the_parameters_eager_ops_saved():
     """A matmul saves its weight (a leaf that requires grad, resident between steps) and its
     input: only the input is found, on every torch, whichever way the handle is read."""

@@ -521,6 +521,30 @@ def test_what_lazy_code_between_graphs_saves_for_the_backward_is_counted_once(xl
     assert plan.breakdown["activations"] >= 2 * 512 * 256 * 4, plan.as_text()
 
 
+def test_a_failing_walk_of_eager_autograd_never_stops_the_step(xla_device, monkeypatch):
+    """Finding what lazy code saved runs inside the step's calls: where it fails, the step
+    runs on and the plan counts none of it."""
+    from donate_backend.xla import memory as xla_memory
+
+    def broken(args):
+        raise RuntimeError("an autograd node this walk cannot read")
+
+    monkeypatch.setattr(xla_memory, "eager_saved", broken)
+    lin = torch.nn.Linear(64, 64).to(xla_device)
+
+    @torch._dynamo.disable
+    def eager(h):
+        return torch.tanh(h)
+
+    run = torch.compile(lambda x: lin(eager(lin(x))).sum(), backend="donate_xla")
+    for _ in range(2):
+        run(torch.randn(8, 64, device=xla_device)).backward()
+        torch_xla.sync()
+    assert lin.weight.grad is not None
+    (note,) = [n for n in donate_backend.memory_plan().notes if "lazy mode" in n]
+    assert "(0.0 KiB" in note, note
+
+
 def test_what_a_function_dynamo_stopped_compiling_saves_is_counted_from_then_on(xla_device):
     """torch_xla turns dynamic shapes off, so a function called with a new size each time
     reaches dynamo's recompile limit and runs in lazy mode from then on (a mixture of

@@ -480,8 +480,16 @@ def _note_eager_saved(record, args: Sequence) -> None:
     each time dynamo has stopped compiling one more function. From then on that function
     runs in lazy mode (torch_xla turns dynamic shapes off, so a function called with a new
     size each time reaches the limit: Mixtral's experts), and what it saves for the
-    backward lies between the graphs of later steps, not of the first."""
-    found = eager_saved(args)
+    backward lies between the graphs of later steps, not of the first. A walk that fails
+    is logged and leaves the record as it was: a plan never stops a step."""
+    try:
+        found = eager_saved(args)
+    except Exception as error:  # noqa: BLE001  (reported, never raised)
+        from .. import report
+
+        report.log.debug("donate_xla: what eager code saved before %s was not found: %s", record.name, error)
+        record.eager_saved_after_limits = _limits_reached()
+        return
     if record.eager_saved_after_limits != _limits_reached():
         # found again: the arguments of the first call that eager code made stay named,
         # with no bytes, so that the plan still knows those inputs (``held_inputs``, taken
