@@ -85,6 +85,7 @@ _DYNAMO_LOGGER = "torch._dynamo.convert_frame"
 _LIMIT_MESSAGE = "torch._dynamo hit config."
 _limit_hits: dict = {}  # "'name' (file:line)" -> "recompile_limit (8)"
 _limit_lock = threading.Lock()
+_limit_hit_count = 0  # len(_limit_hits), read without the lock on every call of a graph
 
 
 class _RecompileLimitWatch(logging.Filter):
@@ -94,8 +95,10 @@ class _RecompileLimitWatch(logging.Filter):
         message, args = record.msg, record.args
         if isinstance(message, str) and message.startswith(_LIMIT_MESSAGE):
             if isinstance(args, tuple) and len(args) >= 3:
+                global _limit_hit_count
                 with _limit_lock:
                     _limit_hits[str(args[2])] = f"{args[0]} ({args[1]})"
+                    _limit_hit_count = len(_limit_hits)
         return True
 
 
@@ -113,6 +116,14 @@ def recompile_limit_hits() -> dict:
         return dict(_limit_hits)
 
 
+def recompile_limit_hit_count() -> int:
+    """``len(recompile_limit_hits())``, without copying or locking: cheap enough for
+    every call of a compiled graph."""
+    return _limit_hit_count
+
+
 def clear_recompile_limit_hits() -> None:
+    global _limit_hit_count
     with _limit_lock:
         _limit_hits.clear()
+        _limit_hit_count = 0

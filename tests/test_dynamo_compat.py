@@ -1,6 +1,7 @@
 """The dynamo adjustment in donate_backend/dynamo_compat.py: installed on this torch,
 once, and a no-op where the private method it wraps is gone. (Its effect on
-training is tested on XLA in test_xla_training_programs.py.)"""
+training is tested on XLA in test_xla_training_programs.py.) And the watch on
+dynamo's recompile-limit warnings."""
 import torch
 from conftest import HAS_TORCH_XLA
 
@@ -66,3 +67,30 @@ def test_compiled_optimizer_with_two_groups_on_the_cpu_still_matches_eager():
     expected = run(lambda f: f)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+def test_the_count_of_functions_dynamo_stopped_compiling_follows_its_warnings():
+    """Each XLA forward's call reads ``recompile_limit_hit_count()``; it counts the
+    distinct functions the warnings named, as ``recompile_limit_hits()`` holds them."""
+    import logging
+
+    def warning(function: str) -> logging.LogRecord:
+        return logging.LogRecord(
+            dynamo_compat._DYNAMO_LOGGER, logging.WARNING, __file__, 1,
+            dynamo_compat._LIMIT_MESSAGE + "%s (%s) while compiling %s", ("recompile_limit", 8, function), None,
+        )
+
+    watch = dynamo_compat._RecompileLimitWatch()
+    saved = dynamo_compat.recompile_limit_hits()
+    dynamo_compat.clear_recompile_limit_hits()
+    try:
+        assert dynamo_compat.recompile_limit_hit_count() == 0
+        assert watch.filter(warning("'expert' (moe.py:10)"))
+        assert watch.filter(warning("'router' (moe.py:20)"))
+        assert watch.filter(warning("'expert' (moe.py:10)"))  # named again: still two
+        assert dynamo_compat.recompile_limit_hit_count() == 2 == len(dynamo_compat.recompile_limit_hits())
+        dynamo_compat.clear_recompile_limit_hits()
+        assert dynamo_compat.recompile_limit_hit_count() == 0
+    finally:
+        for function in saved:
+            watch.filter(warning(function))

@@ -349,6 +349,15 @@ def tangent_bytes_of(args: Sequence, indices: Sequence[int]) -> int:
     return sum(size for _, size in storage_refs([args[i] for i in indices if i < len(args)]))
 
 
+def held_between_steps(value: torch.Tensor) -> bool:
+    """A parameter, a leaf that requires grad, or a view of one (weights tied in eager
+    code): resident, not made by the step."""
+    for tensor in (value, value._base):
+        if tensor is not None and (isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad)):
+            return True
+    return False
+
+
 def eager_saved(args: Sequence) -> Tuple[Tuple[object, int], ...]:
     """``(storage, bytes)`` of what code run eagerly before a forward made in the step and
     holds into the backward (an encoder's convolutions between graph breaks): the tensors
@@ -362,11 +371,8 @@ def eager_saved(args: Sequence) -> Tuple[Tuple[object, int], ...]:
     out: Dict[object, int] = {}
     made = [a for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None]
     for value in made + compat.saved_by_eager_autograd(args):
-        if isinstance(value, torch.nn.Parameter) or (value.is_leaf and value.requires_grad):
+        if held_between_steps(value):
             continue
-        base = value._base
-        if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
-            continue  # a view of a parameter (weights tied in eager code): its storage is resident
         if value.layout != torch.strided or (on_device and value.device.type == "cpu"):
             continue
         key = storage_address(value)

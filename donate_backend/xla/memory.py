@@ -472,7 +472,7 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
 def _limits_reached() -> int:
     from .. import dynamo_compat
 
-    return len(dynamo_compat.recompile_limit_hits())
+    return dynamo_compat.recompile_limit_hit_count()
 
 
 def _note_eager_saved(record, args: Sequence) -> None:
@@ -524,24 +524,18 @@ def eager_saved(args: Sequence) -> tuple:
     from ..native import compat as native_compat
 
     out: Dict[object, int] = {}
-    made = [a for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None]
-    aliases = {_tensor_key(a) for a in made}  # a saved alias of an argument is that argument
+    made = {id(a): (a, _tensor_key(a)) for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+    aliases = {key for _, key in made.values()}  # a saved alias of an argument is that argument
     # an argument another compiled graph returned is that graph's output
-    made = [a for a in made if "CompiledFunction" not in type(a.grad_fn).__name__]
-    saved = [t for t in native_compat.saved_by_eager_autograd(args, identity=_tensor_key)
-             if _tensor_key(t) not in aliases]
-    for value in made + saved:
-        if isinstance(value, torch.nn.Parameter) or (value.is_leaf and value.requires_grad):
-            continue
-        base = value._base
-        if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
-            continue
-        key = _tensor_key(value)
-        if key is not None and key not in out:
+    made = {i: (a, key) for i, (a, key) in made.items() if "CompiledFunction" not in type(a.grad_fn).__name__}
+    saved = [(t, key) for t in native_compat.saved_by_eager_autograd(args, identity=_tensor_key)
+             for key in [_tensor_key(t)] if key not in aliases]
+    for value, key in [*made.values(), *saved]:
+        if key is not None and key not in out and not native_memory.held_between_steps(value):
             out[key] = xla_bytes(value)
     # each argument also as ``held_inputs`` names it (the Python object), with no bytes:
     # the plan then knows it as a value of the step, not a tensor held between steps
-    out.update({("xla", id(a)): 0 for a in made if _tensor_key(a) in out})
+    out.update({("xla", i): 0 for i, (_, key) in made.items() if key in out})
     return tuple(out.items())
 
 
