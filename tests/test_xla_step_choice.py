@@ -86,7 +86,8 @@ def test_a_gradient_bound_step_is_stitched_after_two_steps_with_eager_values(xla
     (chosen,) = [c for c in plan.choices if "chosen automatically" in c]
     assert "stitched step" in chosen
     planned_stitched, planned_separate = (float(v) for v in re.findall(r"([\d.]+) MiB", chosen)[:2])
-    assert planned_separate - planned_stitched >= choice.MIN_SAVING_BYTES / MIB
+    # (the text rounds each to 0.1 MiB)
+    assert planned_separate - planned_stitched >= choice.MIN_SAVING_BYTES / MIB - 0.1
     # the plan of the step as it now runs: one gradient of 4 MiB at a time, not 24
     assert plan.breakdown["gradients"] <= 4 * MIB + 64
     assert plan.peak_bytes <= planned_stitched * MIB + MIB

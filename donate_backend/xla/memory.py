@@ -11,7 +11,8 @@ the inputs its caller holds (XLA's buffer assignment, CPU and TPU alike):
 XLA fuses elementwise ops and views into the ops that read them, so their
 results never exist on their own. The model here: a node's result is
 materialised when it is not elementwise or a view, when the graph returns
-it, or when a dot or convolution reads it (XLA does not fuse into those).
+it, or when a dot or convolution reads it, itself or through views (XLA does
+not fuse into those, and its reshapes are the same buffer).
 A materialised value lives until the last materialised node that reads it,
 directly or through fused ones; a returned value, and a new value written into
 an input, are materialised readers too (their buffer is computed where they
@@ -20,9 +21,10 @@ reader is fused again into its other elementwise readers, so what it reads
 lives until the last of those too. A returned view or reshape is its base's
 buffer. The temporaries block is the most bytes of such values live at any
 node, in graph order, with what XLA:CPU adds while some ops run
-(``_layout_scratch``: convolutions, a max-pool's backward, a log-softmax whose
-result is returned). ``bench/xla_executables.py`` sets these figures beside
-XLA's buffer assignment of each executable.
+(``_layout_scratch``: convolutions, a depthwise kernel's gradient, a max-pool's
+backward, a log-softmax whose result is returned) and computes first
+(``_hoisted_kernel_copies``, ``_exact_gelu_parts``). ``bench/xla_executables.py``
+sets these figures beside XLA's buffer assignment of each executable.
 
 After the executable: its outputs are live (a forward's to the caller and
 saved for its backward, a backward's gradients); a backward's saved
@@ -120,7 +122,9 @@ def _layout_scratch(node: torch.fx.Node) -> int:
         return _arg_bytes(args[1]) + _arg_bytes(args[0])
     if name == "convolution_backward" and len(args) >= 3:
         mask = args[10] if len(args) > 10 else (True, True, True)
-        return _arg_bytes(args[2]) + _arg_bytes(args[0]) + (_arg_bytes(args[1]) if mask[0] else 0)
+        scratch = _arg_bytes(args[2]) + _arg_bytes(args[0]) + (_arg_bytes(args[1]) if mask[0] else 0)
+        # a depthwise kernel's expanded gradient holds the layout copies inside it
+        return max(scratch, _depthwise_kernel_expansion(args) if mask[1] else 0)
     if name == "_log_softmax" and args and any(user.op == "output" for user in node.users):
         # the shifted logits (or their exponentials) in a buffer of their own beside the input
         # and the returned result (saved for the backward): a language model's training
@@ -138,6 +142,22 @@ def _layout_scratch(node: torch.fx.Node) -> int:
         rank = pooled[0].dim()
         return _size(rank * pooled[0].numel() * 4) + (rank + 2) * _size(grads[0].numel() * 4)
     return 0
+
+
+def _depthwise_kernel_expansion(args) -> int:
+    """Bytes XLA:CPU adds for a depthwise convolution's kernel gradient (one input channel
+    per group, as ConvNeXt's 7 x 7 blocks have): it computes the gradient as a dense
+    convolution over every pair of channels, then keeps the diagonal with a select, and
+    holds both at once, a ``channels x channels x kernel`` buffer each. A kernel 7 x 7 over
+    256 channels becomes 2 x 12.25 MiB of temporaries for a 49 KiB gradient (one
+    convolution per executable: exactly that; the layout copies fit inside it). Other
+    grouped convolutions (two or more input channels per group) are reshaped instead, and
+    add nothing beyond the layout copies."""
+    groups = args[9] if len(args) > 9 else 1
+    weights = _values(args[2]) if isinstance(args[2], torch.fx.Node) else []
+    if not isinstance(groups, int) or groups <= 1 or not weights or weights[0].dim() < 3 or weights[0].shape[1] != 1:
+        return 0
+    return 2 * _size(weights[0].numel() * weights[0].element_size() * groups)
 
 
 def _size(value) -> int:
@@ -161,6 +181,64 @@ def _hoisted_kernel_copies(graph: torch.fx.Graph) -> Dict[torch.fx.Node, int]:
             if isinstance(kernel, torch.fx.Node) and kernel.op == "placeholder":
                 hoisted[node] = _bytes(kernel)
     return hoisted
+
+
+# XLA:CPU rewrites a reduction over a dimension longer than this into a reduce-window
+# and a reduce (a tree, for precision); the reduce-window is fused with nothing.
+_TREE_REDUCTION_WINDOW = 32
+
+
+def _exact_gelu_parts(graph: torch.fx.Graph) -> Dict[torch.fx.Node, int]:
+    """exact GELU's backward -> the bytes XLA:CPU computes for it at the start of the
+    executable, where its input is computed from graph inputs alone (a saved activation).
+
+    The gradient is read by a reshape into the weight's matmul and by the bias's sum (a
+    ``Linear`` over 3-d or 4-d activations; over 2-d ones a matmul reads it as it is, and
+    XLA computes it once for both). Where that sum reduces only dimensions of 32 or
+    fewer, XLA fuses the gradient into both readers and computes its two costly parts,
+    ``erf`` and ``exp`` of the input, once, an input-sized buffer each; its scheduler
+    computes them first, since they read only inputs (``_reads_only_inputs``), and holds
+    them until those readers (ConvNeXt's, Swin's and ViT's backwards, in XLA:CPU's
+    schedule and buffer assignment). Where the sum runs over a longer dimension (a GPT's
+    batch x 128 tokens), XLA first rewrites it into a reduce-window
+    (``_TREE_REDUCTION_WINDOW``), which reads the gradient computed once, parts fused in."""
+    parts = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or _op_name(node) != "gelu_backward" or len(node.args) < 2:
+            continue
+        approximate = node.kwargs.get("approximate", node.args[2] if len(node.args) > 2 else "none")
+        source = node.args[1]
+        if (approximate == "none" and isinstance(source, torch.fx.Node) and _reads_only_inputs(source)
+                and any(_short_sum(user) for user in node.users)
+                and not any(_op_name(user) in _FUSION_BARRIERS for user in node.users)):
+            parts[node] = 2 * _bytes(source)
+    return parts
+
+
+def _short_sum(node: torch.fx.Node) -> bool:
+    """A sum over given dimensions, each of ``_TREE_REDUCTION_WINDOW`` or fewer elements."""
+    if node.op != "call_function" or _op_name(node) != "sum" or len(node.args) < 2:
+        return False
+    values, dims = _values(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else [], node.args[1]
+    if not values or not isinstance(dims, (list, tuple)) or not dims:
+        return False
+    sizes = [_size(values[0].shape[d]) for d in dims if isinstance(d, int) and -values[0].dim() <= d < values[0].dim()]
+    return len(sizes) == len(dims) and all(0 < size <= _TREE_REDUCTION_WINDOW for size in sizes)
+
+
+def _reads_only_inputs(node: torch.fx.Node) -> bool:
+    """An input, or elementwise ops and views over inputs only (what the partitioner
+    recomputes in a backward from saved values: XLA fuses it into its reader)."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen or current.op == "placeholder":
+            continue
+        seen.add(current)
+        if not _fusible(current) or len(seen) > 64:
+            return False
+        stack += [a for a in current.all_input_nodes]
+    return True
 
 
 def _arg_bytes(arg) -> int:
@@ -210,7 +288,7 @@ def predict(
     ``passed_outputs``: in a backward, the outputs an earlier graph's backward takes as
     its tangents (``native.memory.passed_outputs``), counted in ``passed_grad_bytes``.
     Where the runtime is XLA:CPU, the scratch its layouts add is counted too
-    (``_layout_scratch``, ``_hoisted_kernel_copies``)."""
+    (``_layout_scratch``, ``_hoisted_kernel_copies``, ``_exact_gelu_parts``)."""
     placeholders = list(graph.find_nodes(op="placeholder"))
     donated = {placeholders[i] for i in donors if i < len(placeholders)}
     written = _writebacks(graph)
@@ -255,8 +333,7 @@ def predict(
     for node in graph.nodes:
         if node.op != "call_function" or _is_writeback(node):
             continue  # a write-back's buffer is its input's, or its new value's (counted above)
-        barrier_user = any(_op_name(u) in _FUSION_BARRIERS for u in node.users)
-        if not _fusible(node) or (barrier_user and not is_view(node)):
+        if not _fusible(node) or (not is_view(node) and _read_by_barrier(node)):
             materialised.add(node)
     # A returned view's base is the output buffer, not a temporary; so is what an
     # ``_unsafe_view`` reshapes (XLA's reshape is the same buffer), and every value between.
@@ -309,7 +386,10 @@ def predict(
     frees: Dict[int, List[int]] = {}
     cpu_layouts = _cpu_layouts()
     hoisted = _hoisted_kernel_copies(graph) if cpu_layouts and kind != "backward" else {}
-    level = peak = sum(hoisted.values())
+    early: Dict[int, int] = {}  # node index -> what XLA computed at the start for it, let go after it
+    for node, size in (_exact_gelu_parts(graph) if cpu_layouts else {}).items():
+        early[readers[node]] = early.get(readers[node], 0) + size
+    level = peak = sum(hoisted.values()) + sum(early.values())
     peak_node = "(inputs)"
     for node in graph.nodes:
         if node in materialised and node not in returned and node not in written:
@@ -322,7 +402,7 @@ def predict(
             extra = _layout_scratch(node) - hoisted.get(node, 0)
             if extra and level + extra > peak:
                 peak, peak_node = level + extra, node.name
-        level -= hoisted.get(node, 0)
+        level -= hoisted.get(node, 0) + early.pop(order[node], 0)
         for size in frees.pop(order[node], ()):
             level -= size
     temporaries = peak
@@ -363,6 +443,23 @@ def predict(
         largest_output_bytes=largest,
         largest_written_bytes=max((_bytes(value) for value in written if value.op != "placeholder"), default=0),
     )
+
+
+def _read_by_barrier(node: torch.fx.Node) -> bool:
+    """Whether a matmul or another fusion barrier reads ``node``, itself or through views
+    (a reshape of a GELU's gradient into a weight's matmul: XLA's bitcast is the same
+    buffer, computed on its own)."""
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen or user.op != "call_function":
+            continue
+        seen.add(user)
+        if _op_name(user) in _FUSION_BARRIERS:
+            return True
+        if is_view(user) and len(seen) < 64:
+            stack += list(user.users)
+    return False
 
 
 def is_view(node: torch.fx.Node) -> bool:
