@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 
 MIB = 2**20
 DEFAULT_MODELS = ("gpt6x512_adamw", "mlp8x2048_gelu", "preln4x512_adamw", "gpt2", "bert", "bart", "whisper", "clip",
-                  "resnet18")
+                  "resnet18", "vit", "convnext", "swin")
 _FINGERPRINT = re.compile(r"s64\[\] constant\((\d+)\)")
 _TEMP = re.compile(r"^allocation \d+: size (\d+), preallocated-temp", re.M)
 # a result's own buffer; one written into a donated input is that parameter's allocation

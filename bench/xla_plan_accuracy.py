@@ -57,7 +57,8 @@ SETTINGS = {
     "segments": {"DONATE_XLA_BACKWARD_SEGMENTS": "8"},
 }
 MODELS = ("mlp50m_sgd", "gpt6x512_adamw", "mlp8x2048_gelu", "preln4x512_adamw")
-REAL_MODELS = ("gpt2", "bert", "llama", "t5", "bart", "mixtral", "albert", "whisper", "clip", "resnet18", "vit")
+REAL_MODELS = ("gpt2", "bert", "llama", "t5", "bart", "mixtral", "albert", "whisper", "clip", "resnet18", "vit",
+               "convnext", "swin")
 REAL_SIZE = dict(width=256, vocab=4096, seq=128, batch=8)
 
 

@@ -230,14 +230,17 @@ def convnext():
     # channels-last-strided input (xla/rewrite.py).
     from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
-    return ConvNeXt([CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)], stochastic_depth_prob=0.0, num_classes=10)
+    return ConvNeXt(
+        [CNBlockConfig(WIDTH // 2, WIDTH, 1), CNBlockConfig(WIDTH, None, 1)],
+        stochastic_depth_prob=0.0, num_classes=10,
+    )
 
 
 def swin():
     from torchvision.models.swin_transformer import SwinTransformer
 
     return SwinTransformer(
-        patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=[4, 4],
+        patch_size=[4, 4], embed_dim=WIDTH // 2, depths=[1, 1], num_heads=[1, 2], window_size=[4, 4],
         stochastic_depth_prob=0.0, num_classes=10,
     )
 
