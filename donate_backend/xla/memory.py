@@ -206,9 +206,8 @@ def _exact_gelu_parts(graph: torch.fx.Graph) -> Dict[torch.fx.Node, int]:
     for node in graph.nodes:
         if node.op != "call_function" or _op_name(node) != "gelu_backward" or len(node.args) < 2:
             continue
-        approximate = node.kwargs.get("approximate", node.args[2] if len(node.args) > 2 else "none")
-        source = node.args[1]
-        if (approximate == "none" and isinstance(source, torch.fx.Node) and _reads_only_inputs(source)
+        source = node.args[1]  # ``approximate`` is keyword-only
+        if (node.kwargs.get("approximate", "none") == "none" and isinstance(source, torch.fx.Node) and _reads_only_inputs(source)
                 and any(_short_sum(user) for user in node.users)
                 and not any(_op_name(user) in _FUSION_BARRIERS for user in node.users)):
             parts[node] = 2 * _bytes(source)
@@ -219,7 +218,8 @@ def _short_sum(node: torch.fx.Node) -> bool:
     """A sum over given dimensions, each of ``_TREE_REDUCTION_WINDOW`` or fewer elements."""
     if node.op != "call_function" or _op_name(node) != "sum" or len(node.args) < 2:
         return False
-    values, dims = _values(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else [], node.args[1]
+    values = _values(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else []
+    dims = node.args[1]
     if not values or not isinstance(dims, (list, tuple)) or not dims:
         return False
     sizes = [_size(values[0].shape[d]) for d in dims if isinstance(d, int) and -values[0].dim() <= d < values[0].dim()]
