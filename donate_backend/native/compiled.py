@@ -70,6 +70,8 @@ class CompiledGraph:
         self._tracing_context = compat.current_tracing_context()
         self._donated_indices = compat.bw_donated_indices() if ctx.kind == "backward" else None
         self._forward_returns = compat.forward_returns_count() if ctx.kind == "forward" else None
+        self._tangents_held: frozenset = frozenset()  # seen at a backward's second call (``memory.held_until_return``)
+        self._calls = 0
         self.record = report.GraphRecord(
             graph_id=ctx.graph_id,
             kind=ctx.kind,
@@ -122,8 +124,12 @@ class CompiledGraph:
     def __call__(self, args: list):
         sizes = memory.sizes_of(args, self._size_sources) if self._size_sources else None
         memory.dropped_outputs.next_call(self.ctx.kind)
+        self._calls += 1
         if self.record.first_call is None:
             result = self._first_call(args, sizes)
+        elif self._calls == 2 and self.ctx.kind == "backward":
+            report.mark_call(self.record, sizes)
+            result = self._second_backward_call(args)
         else:
             report.mark_call(self.record, sizes)
             result = self.built.run(args)
@@ -172,6 +178,21 @@ class CompiledGraph:
         # a backward's output storages: noted by ``memory.dropped_outputs.returned``
         return result
 
+    def _second_backward_call(self, args: list):
+        """Run a backward for the second time, noting which of its tangents something else
+        held until it returned (``memory.held_until_return``): the replay frees each at
+        its last use unless told so. Not at the first call, where aot_autograd compiles the
+        backward with the call's arguments at hand."""
+        predicted = self.record.memory
+        tangents = memory.tangent_refs(args, predicted.tangent_indices) if predicted is not None else ()
+        result = self.built.run(args)
+        held = memory.held_until_return(tangents)
+        if held != self._tangents_held:  # replayed again with those tangents live to the end
+            self._tangents_held = held
+            self.built.memory = self.record.memory = self.built.predict()
+            self.built.memory_at_sizes.clear()
+        return result
+
     def _build(self, settings: config.Settings) -> executor.Built:
         started = time.perf_counter()
         # A lazy rebuild runs outside aot_autograd: re-enter its tracing context.
@@ -187,9 +208,8 @@ class CompiledGraph:
         built.bucket_grads = prepared.bucket_grads
         built.bucket_bytes = prepared.bucket_bytes
         predicted_at = time.perf_counter()
-        built.memory = self._predict_memory(prepared.gm, settings)
-        if self._size_sources:
-            built.predict = lambda: self._predict_memory(prepared.gm, settings)
+        built.memory = self._predict_memory(prepared.gm, settings, self._tangents_held)
+        built.predict = lambda: self._predict_memory(prepared.gm, settings, self._tangents_held)
         finished = time.perf_counter()
         self.record.compile_seconds += finished - started
         self.record.phases = _added(
@@ -197,7 +217,7 @@ class CompiledGraph:
         )
         return built
 
-    def _predict_memory(self, gm, settings: config.Settings):
+    def _predict_memory(self, gm, settings: config.Settings, tangents_held=()):
         """The graph's allocations replayed on fake tensors (``memory``), or None
         where the replay fails: a prediction never stops a graph from compiling."""
         try:
@@ -208,6 +228,7 @@ class CompiledGraph:
                 donated_indices=self._donated_indices,
                 forward_returns=self._forward_returns,
                 input_roles=self.ctx.input_roles,
+                tangents_held=tangents_held,
             )
         except Exception as error:  # noqa: BLE001  (reported, never raised)
             report.log.debug("donate_xla: no memory prediction for %s: %s", self.ctx.name, error)

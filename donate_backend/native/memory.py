@@ -12,7 +12,8 @@ what it was called with:
   (``analysis.liveness``), unless the graph returns it;
 - inputs stay alive (the caller holds them), except those the graph owns and
   lets go at their last use: in a backward, the saved tensors aot_autograd
-  donates (their storage belongs to the backward alone) and the tangents.
+  donates (their storage belongs to the backward alone) and its tangents, those
+  something else holds (seen at its second call) only as it returns.
 
 The peak is taken right after each node runs, when its result and all its
 inputs are alive. The result is a ``GraphMemory``: the peak above the level at
@@ -33,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Collection, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
@@ -191,6 +192,7 @@ def _replay(
     kind: str,
     *,
     released_inputs: Sequence[torch.fx.Node] = (),
+    released_at_return: Sequence[torch.fx.Node] = (),
     input_categories: Optional[Dict[torch.fx.Node, str]] = None,
     saved_outputs_from: Optional[int] = None,
     reused: Optional[Dict[torch.fx.Node, torch.fx.Node]] = None,
@@ -199,7 +201,8 @@ def _replay(
     """Replay ``graph``'s allocations (see the module docstring).
 
     ``released_inputs``: placeholders the graph owns and frees at their last
-    use. ``input_categories``: the category of a released input's bytes.
+    use; of those, ``released_at_return`` are freed only once it returns.
+    ``input_categories``: the category of a released input's bytes.
     ``saved_outputs_from``: in a forward, the index of the first output that
     is saved for the backward (the ones before it are the caller's).
     ``reused``: node -> the input whose buffer it writes its result into.
@@ -248,9 +251,12 @@ def _replay(
                 ledger.by_category.setdefault(input_categories.get(node, INPUTS), 0)
 
     dying = liveness.values_dying_at(graph)
+    at_return = set(released_at_return)
     for node in released:
-        if not node.users:  # an input nothing reads goes at once
+        if not node.users and node not in at_return:  # an input nothing reads goes at once
             dying.setdefault(next(iter(graph.nodes)), []).append(node)
+    if at_return:
+        dying = {at: [v for v in values if v not in at_return] for at, values in dying.items()}
 
     peak, peak_parts, peak_node = 0, {}, "(inputs)"
     points = []
@@ -290,6 +296,10 @@ def _replay(
             ledger.release(value, [k for k in keys if k not in returned])
             if value.op == "placeholder":
                 released_bytes += before - ledger.level
+    for value in released_at_return:  # let go as the graph returns
+        before = ledger.level
+        ledger.release(value, [k for k in node_keys.get(value, ()) if k not in returned])
+        released_bytes += before - ledger.level
     # A returned storage stays; a value read only by the output is never released.
     end_parts = {c: b for c, b in ledger.by_category.items() if b}
     return GraphMemory(
@@ -310,37 +320,59 @@ def _replay(
 
 def for_build(gm: torch.fx.GraphModule, name: str, kind: str, *, free_saved_on: bool,
               reuses: bool, donated_indices, forward_returns: Optional[int],
-              input_roles: Sequence[str] = ()) -> GraphMemory:
+              input_roles: Sequence[str] = (), tangents_held: Collection[int] = ()) -> GraphMemory:
     """The replay of one build: what its executor frees and reuses (``executor``).
 
     ``input_roles``: the roles of the forward's inputs (``analysis.mutation``); a
     backward returns one gradient (or None) per forward input, in that order.
+    ``tangents_held``: the arguments (indices) of a backward's tangents that something
+    else held until it returned (``held_until_return``, seen at its second call: the
+    gradients autograd materialised for outputs that got none, the engine's buffer of an
+    output's gradient); each other tangent goes at its last use.
     """
     from . import free_saved, reuse
 
     graph = gm.graph
     released: List[torch.fx.Node] = []
+    held: List[torch.fx.Node] = []
     categories: Dict[torch.fx.Node, str] = {}
     reused: Dict[torch.fx.Node, torch.fx.Node] = {}
     if kind == "backward" and free_saved_on:
         donated = free_saved.donated_placeholders(graph, donated_indices)
-        for node in graph.find_nodes(op="placeholder"):
+        for index, node in enumerate(graph.find_nodes(op="placeholder")):
             if node in donated:
                 released.append(node)
                 categories[node] = ACTIVATIONS
             elif free_saved.is_tangent(node):
                 released.append(node)
+                if index in tangents_held:
+                    held.append(node)
                 categories[node] = GRADIENTS
         if reuses:
             reused = {plan.node: plan.buffer for plan in reuse.plan_reuse(graph, donated)}
     return replay(
         graph, name, kind,
         released_inputs=released,
+        released_at_return=held,
         input_categories=categories,
         saved_outputs_from=forward_returns if kind == "forward" else None,
         reused=reused,
         passed_outputs=passed_outputs(graph, kind, input_roles),
     )
+
+
+def tangent_refs(args: Sequence, indices: Sequence[int]) -> tuple:
+    """``(index, weak storage reference)`` of each tangent of a backward's call."""
+    return tuple((i, storage_key(args[i])) for i in indices
+                 if i < len(args) and isinstance(args[i], torch.Tensor) and storage_key(args[i]) is not None)
+
+
+def held_until_return(refs: Sequence[tuple]) -> frozenset:
+    """Of ``(index, weak storage reference)`` taken of a backward's tangents before its
+    first call, the indices whose storage is still alive once it returned: something other
+    than the compiled code held them (it frees each tangent at its last use), so they
+    were live through the whole call."""
+    return frozenset(index for index, ref in refs if not ref.expired())
 
 
 def tangent_bytes_of(args: Sequence, indices: Sequence[int]) -> int:
@@ -510,13 +542,16 @@ def _predict_step(fw_module, bw_module, forward_returns):
         resident.update(_keys(node))
     forward = replay(fw_module.graph, "forward", "forward", saved_outputs_from=forward_returns)
     # a saved tensor that is a forward input (a weight the backward's matmul reads) stays
-    # resident: the backward frees only what the forward made
+    # resident: the backward frees only what the forward made, the tangents as it returns
+    # (``for_build``)
     released = [
         n for n in bw_module.graph.find_nodes(op="placeholder")
         if _keys(n) and not any(key in resident for key, _ in _keys(n))
     ]
-    categories = {n: GRADIENTS if n.name.startswith("tangents") else ACTIVATIONS for n in released}
-    backward = replay(bw_module.graph, "backward", "backward", released_inputs=released, input_categories=categories)
+    tangents = [n for n in released if n.name.startswith("tangents")]
+    categories = {n: GRADIENTS if n in tangents else ACTIVATIONS for n in released}
+    backward = replay(bw_module.graph, "backward", "backward", released_inputs=released,
+                      released_at_return=tangents, input_categories=categories)
     base = sum(resident.values())
     parts: Dict[str, int] = {INPUTS: base}
     if forward.peak_bytes >= forward.end_bytes + backward.tangent_bytes + backward.peak_bytes:
