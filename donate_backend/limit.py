@@ -17,10 +17,12 @@ optimizer's graph, is over the limit by itself, or no activation budget, with it
 saved activations offloaded or not, brings the forward and backward under what is left), the call raises
 ``MemoryLimitError`` before its step runs, with the bytes the step needs.
 
-It plans again once. It warns with the excess instead when it cannot compile
-the graph again (symbolic inputs), when the step's forward is several graphs
-each planned under a limit, when the step is still over after planning
-again, and when the step is stitched (XLA: one computation, which it does not plan again).
+Where the step's forward is several graphs each planned under the limit (a loss
+compiled on its own after a graph break), the graph whose forward-to-backward span
+holds the step's peak is planned again; the others keep their choice. It plans
+again once. It warns with the excess instead when it cannot compile the graph again
+(symbolic inputs), when the step is still over after planning again, and when the
+step is stitched (XLA: one computation, which it does not plan again).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from .planner import MemoryPlan, last_step, memory_plan
 
 MIB = 2**20
 STEPS = step_choice.STEPS  # the first step makes the optimizer state, the second runs with it
+MAX_REPLANS = 1  # times a graph is planned again (with the state counted); then it warns
 
 
 class LimitedGraph:
@@ -52,7 +55,11 @@ class LimitedGraph:
         if getattr(compiled, "_boxed_call", False):
             self._boxed_call = True  # an instance attribute: dynamo's disable() copies __dict__
         self._calls = 0
-        self.replanned = False
+        self.replans = 0  # times this graph was planned again with the whole step counted
+
+    @property
+    def replanned(self) -> bool:
+        return self.replans > 0
 
     def __call__(self, *args):
         self._calls += 1
@@ -72,13 +79,18 @@ class LimitedGraph:
             return None
         path = forward.path
         same_path = [r for r in report.reports() if r.path == path]
+        # the step from the first forward planned under the limit: every graph's check
+        # sees the same step (a loss compiled on its own runs after the model's forward)
+        ran = [r for r in same_path if r.graph_id in _limited_forwards(same_path) and r.kind == "forward"
+               and r.last_call is not None]
+        first = min(ran, key=lambda r: r.last_call).graph_id if ran else self.request.graph_id
         try:
-            plan = memory_plan(same_path, workspaces=False, graph_id=self.request.graph_id)
+            plan = memory_plan(same_path, workspaces=False, graph_id=first)
         except DonateXlaError:
             return None
         if plan.peak_bytes <= self.limit:
             return None
-        step = last_step([r for r in same_path if r.memory is not None], self.request.graph_id)
+        step = last_step([r for r in same_path if r.memory is not None], first)
         if any(r.stitched for r in step):
             # one XLA computation, whose schedule the plan only approximates, and which
             # no activation budget is planned for: warned, not refused
@@ -87,8 +99,10 @@ class LimitedGraph:
             stitched = step_choice.stitch_to_fit(self.request.graph_id, self.limit)
             if stitched is not None:
                 return stitched
-        limited = [r for r in same_path if r.kind == "forward" and r.planned_peak is not None]
-        if self._fakes is None or self.replanned or len(limited) > 1:
+        owner = _peak_owner(plan, same_path)
+        if owner is not None and owner != self.request.graph_id:
+            return None  # the step peaks in another graph planned under the limit: its own check plans it
+        if self._fakes is None or self.replans >= MAX_REPLANS:
             return self._warn(plan)
         return self._plan_again(plan, forward)
 
@@ -164,7 +178,7 @@ class LimitedGraph:
             ) from None
         report.discard(old)
         self.compiled = compiled
-        self.replanned = True
+        self.replans += 1
         self._calls = 1  # this call is the new graphs' first step
         note = (
             f"planned again after {STEPS} steps with the whole step counted (optimizer state "
@@ -175,6 +189,30 @@ class LimitedGraph:
             if r.kind == "forward" and r.budget_choice:
                 r.budget_choice = f"{r.budget_choice}; {note}"
         return note
+
+
+def _limited_forwards(records) -> dict:
+    """Graph id -> its forward's planned peak, for the forwards planned under a limit."""
+    return {r.graph_id: r.planned_peak for r in records if r.kind == "forward" and r.planned_peak is not None}
+
+
+def _peak_owner(plan: MemoryPlan, records) -> Optional[int]:
+    """The dynamo graph planned under the limit whose forward-to-backward span holds the
+    step's peak (its activation budget can lower it); of several (a loss compiled on its
+    own runs inside the model's span), the one planned at the most bytes, whose saved
+    activations are most of what the span holds. None where the peak lies in no such
+    span (an optimizer's graph, which no budget lowers)."""
+    limited = _limited_forwards(records)
+    peak = max(plan.graphs, key=lambda g: g.peak_bytes, default=None)
+    if peak is None:
+        return None
+    at = plan.graphs.index(peak)
+    spans = []
+    for graph_id, planned in limited.items():
+        places = [i for i, g in enumerate(plan.graphs) if g.graph_id == graph_id]
+        if places and places[0] <= at <= places[-1]:
+            spans.append((planned, graph_id))
+    return max(spans)[1] if spans else None
 
 
 def _stitched_estimate(path: str, graph_id: int) -> str:

@@ -62,6 +62,8 @@ class PlannedGraph:
     peak_bytes: int
     end_bytes: int
     peak_parts: Tuple[Tuple[str, int], ...]  # (category, bytes) live at this graph's peak
+    graph_id: Optional[int] = None  # the dynamo graph it was compiled from
+    kind: str = ""  # forward, backward or inference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,7 +449,7 @@ def memory_plan(
             if last_backward.get(r.graph_id) == position and eager_of.get(r.graph_id):
                 carried[native_memory.ACTIVATIONS] -= eager_of[r.graph_id]
                 level -= eager_of[r.graph_id]
-        planned.append(PlannedGraph(r.name, start, graph_peak, level, tuple(at_peak.items())))
+        planned.append(PlannedGraph(r.name, start, graph_peak, level, tuple(at_peak.items()), r.graph_id, r.kind))
     # (a backward split into segments is planned through its segments' records)
     unplanned = [r.name for r in records
                  if r.path == path and r.memory is None and r.device != "cpu" and not r.backward_segments]

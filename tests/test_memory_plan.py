@@ -489,6 +489,57 @@ def test_a_limit_the_optimizer_state_breaks_is_planned_again_with_the_state_coun
     assert not any("planned again" in c for c in donate_backend.memory_plan(workspaces=False).choices)
 
 
+def _broken_step(model, optimizer):
+    """``_whole_step`` with a graph break before the loss: the loss compiles as a graph
+    of its own, whose forward is planned under a limit too (an HF model's loss is so)."""
+
+    def step(x):
+        out = model(x)
+        torch._dynamo.graph_break()
+        loss = out.square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def test_a_limit_is_met_where_the_loss_is_a_graph_of_its_own():
+    """Two forwards planned under the limit (the model's, the loss's): once Adam's state
+    exists, the graph whose span holds the step's peak (the model's) is planned again
+    with the state counted, the loss's keeps its choice, and the measured peak of a step
+    (profiler events, every allocation) stays under a limit between the least plan and the
+    default: the resident bytes plus 0.8 of the measured growth (the model's graph meets it at
+    the full budget while it compiles, before the state exists). Five steps equal eager's."""
+    eager = _six_layers()
+    x = torch.randn(2048, 512)
+    make = lambda model: torch.optim.Adam(model.parameters(), lr=1e-3)  # noqa: E731
+
+    def train(model, options, steps):
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
+        optimizer = make(model)
+        run = torch.compile(_broken_step(model, optimizer), backend="donate_xla", options=options)
+        losses = [float(run(x)) for _ in range(steps)]
+        state = list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values() if v.dim()]
+        resident = sum(t.numel() * t.element_size() for t in state) + x.numel() * x.element_size()
+        return losses, resident, profiler_peak_bytes(lambda: run(x))
+
+    _, resident, growth = train(copy.deepcopy(eager), {}, 3)
+    limit = resident + int(0.8 * growth)
+    model = copy.deepcopy(eager)
+    losses, _, used = train(model, {"memory_limit": limit}, 5)
+    plan = donate_backend.memory_plan(workspaces=False)
+    print(f"\ndefault growth {growth / 2**20:.1f} MiB, limit {limit / 2**20:.1f} MiB, measured "
+          f"{(resident + used) / 2**20:.1f} MiB\n{plan.as_text()}")
+    assert resident + used <= limit
+    chosen = [c for c in plan.choices if "chosen under memory_limit" in c]
+    assert len(chosen) == 2 and sum("planned again after 2 steps" in c for c in chosen) == 1
+
+    assert losses == pytest.approx(_eager_losses(eager, make, x, 6)[:5], rel=1e-4)
+
+
 def test_a_step_still_over_its_limit_after_planning_again_warns_once_and_trains_like_eager(monkeypatch):
     """A graph is planned again once. When the whole step's plan is still over the limit
     afterwards (here: every plan made 20 MiB larger than the graphs predict, which the
