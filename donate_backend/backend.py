@@ -137,11 +137,15 @@ class CompiledWithOptions:
 
     def __call__(self, args):
         choice = self.choice
-        if choice is not None and self._forward_of is not None and not choice.decided:
-            self._calls += 1
-            if self._calls == step_choice.STEPS + 1:
-                with config.overriding(self.overrides):
-                    step_choice.decide(self._forward_of)
+        if choice is not None and self._forward_of is not None:
+            if not choice.decided:
+                self._calls += 1
+                if self._calls == step_choice.STEPS + 1:
+                    with config.overriding(self.overrides):
+                        step_choice.decide(self._forward_of)
+            trial = choice.trial
+            if trial is not None and trial.graph_id == self._forward_of:
+                trial.step_started()
         with config.overriding(self.overrides + (choice.overrides if choice is not None else ())):
             return self.compiled(args)
 

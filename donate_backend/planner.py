@@ -226,6 +226,13 @@ def last_step(records: List[report.GraphRecord], graph_id: Optional[int] = None)
             key = (r.graph_id, r.kind)
             newest[key] = max(newest.get(key, r.first_call), r.first_call)
     records = [r for r in records if r.last_call is None or r.last_call >= newest.get((r.graph_id, r.kind), 0)]
+    # Builds of one graph for settings taken in turn (a lever timed against plain
+    # executables, ``choice.StepTimes``): the step runs the build that ran last.
+    latest: Dict[tuple, tuple] = {}
+    for r in sorted((r for r in records if r.last_call is not None), key=lambda r: r.last_call):
+        latest[(r.graph_id, r.kind)] = r.build_key
+    records = [r for r in records
+               if r.build_key is None or latest.get((r.graph_id, r.kind), r.build_key) == r.build_key]
     forwards = [r.last_call for r in records if r.kind == "forward" and r.last_call is not None
                 and graph_id in (None, r.graph_id)]
     if not forwards:
@@ -278,7 +285,7 @@ def _choices(records: Iterable[report.GraphRecord]) -> Tuple[str, ...]:
     notes = set()
     for r in records:
         note = getattr(r.step_choice, "note", None)
-        if note and note not in notes and r.stitched:
+        if note and note not in notes and (r.stitched or r.kind == "forward"):
             notes.add(note)
             out.append(f"{r.name}: {note}")
         if r.segments_choice:

@@ -121,6 +121,10 @@ class GraphRecord:
     # XLA forward: how many functions dynamo had stopped compiling when ``eager_saved`` was
     # found (found again at the next call once that number grows: ``xla.memory.note_call``)
     eager_saved_after_limits: int = dataclasses.field(default=0, repr=False, compare=False)
+    # the switch settings its build was made for (``config.cache_key()``): a graph built
+    # again for other settings (a lever timed against plain executables) has a record per
+    # build, and a step runs one of them
+    build_key: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:

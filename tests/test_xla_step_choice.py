@@ -23,6 +23,15 @@ from xla_models import squared_mean_step  # noqa: E402
 MIB = 2**20
 
 
+@pytest.fixture(autouse=True)
+def untimed(request, monkeypatch):
+    """These cases check what the plan chooses by memory: the lever is not timed after the
+    choice (``choice.StepTimes``; the ``timed`` cases below time it with a clock of their
+    own)."""
+    if request.node.get_closest_marker("timed") is None:
+        monkeypatch.setattr(choice, "_start_trial", lambda *args: None)
+
+
 def _layers(width: int, depth: int = 6):
     torch.manual_seed(0)
     layers = []
@@ -254,3 +263,81 @@ def test_a_step_with_convolutions_is_not_stitched_by_default(xla_device):
     # what the plan alone would have chosen
     saving = separate.peak_bytes - stitched.peak_bytes
     assert saving >= max(choice.MIN_SAVING_BYTES, choice.MIN_SAVING_SHARE * separate.growth_bytes)
+
+
+class _Clock:
+    """A clock for ``choice.StepTimes`` under which a step run under a setting takes
+    ``seconds[setting]``: waiting at the end of a timed step moves it on by that much."""
+
+    def __init__(self, seconds: dict):
+        self.seconds = seconds
+        self.now = 0.0
+        self.trial = None
+
+    def wait(self) -> None:
+        timing = self.trial._timing if self.trial is not None else None
+        if timing is not None:  # a timed step ends
+            self.now += self.seconds[timing[0]]
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _timed_training(monkeypatch, seconds: dict, steps: int):
+    """``_train(1024)`` (stitched by memory after two steps) with the trial's clock faked:
+    each step under a setting takes ``seconds[setting]``; nothing waits for the device."""
+    clock = _Clock(seconds)
+    started = choice._start_trial
+
+    def start(graph_id, step, choices):
+        note = started(graph_id, step, choices)
+        trial = choices[0].trial
+        if trial is not None:
+            trial.clock, trial.wait, clock.trial = clock, clock.wait, trial
+        return note
+
+    monkeypatch.setattr(choice, "_start_trial", start)
+    return _train(1024, steps=steps)
+
+
+@pytest.mark.timed
+@pytest.mark.parametrize("lever_seconds, kept", [(1.0, True), (1.02, True), (1.2, False)])
+def test_the_lever_is_timed_against_plain_executables_and_kept_only_if_not_slower(
+        xla_device, monkeypatch, lever_seconds, kept):
+    """After the memory choice (stitched), the trial runs the stitched step and the plain
+    executables in turn and keeps the lever where its step is within ``TIME_TOLERANCE`` of
+    the plain one's; a slower lever is dropped and the step runs plain from then on. The
+    choice and the times are in the plan; every step of the switches equals eager's."""
+    steps = choice.STEPS + len(choice.TRIAL) + 3
+    for loss, expected, diff in _timed_training(monkeypatch, {"lever": lever_seconds, "plain": 1.0}, steps):
+        assert loss == pytest.approx(expected, rel=1e-4)
+        assert diff < 1e-5
+    records = [r for r in donate_backend.reports() if r.path == "xla" and r.kind == "forward"]
+    chosen = records[-1].step_choice
+    assert chosen.trial is None and chosen.decided
+    assert chosen.overrides == ((("stitch", True),) if kept else choice.PLAIN)
+    plan = donate_backend.memory_plan()
+    (note,) = [c for c in plan.choices if "timed after the choice" in c]
+    assert ("kept" in note) == kept, note
+    assert "the stitched step" in note and f"{lever_seconds:.3f} s a step against 1.000 s" in note
+    # the step as it runs now: stitched graphs last, or plain ones
+    assert any(r.stitched for r in donate_backend.reports() if r.last_call == max(
+        q.last_call for q in donate_backend.reports() if q.last_call is not None)) == kept
+
+
+@pytest.mark.timed
+def test_the_trial_waits_for_the_device_only_at_its_timed_steps(xla_device, monkeypatch):
+    """The trial waits at both ends of each timed step, and never once it has chosen."""
+    waits = []
+    started = choice._start_trial
+
+    def start(graph_id, step, choices):
+        note = started(graph_id, step, choices)
+        if choices[0].trial is not None:
+            choices[0].trial.wait = lambda: waits.append(choices[0].trial.position if choices[0].trial else None)
+        return note
+
+    monkeypatch.setattr(choice, "_start_trial", start)
+    _train(1024, steps=choice.STEPS + len(choice.TRIAL) + 4)
+    timed = sum(timed for _, timed in choice.TRIAL)
+    assert 0 < len(waits) <= 2 * timed

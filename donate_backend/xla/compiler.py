@@ -237,7 +237,7 @@ def _record_split(split: segments.SplitBackward, ctx, num_inputs: int, how: str)
         report.GraphRecord(
             graph_id=ctx.graph_id, kind=ctx.kind, device="xla", path="xla", num_inputs=num_inputs,
             backward_segments=split.count, released_bytes=split.released_bytes,
-            segments_choice=how + split.choice,
+            segments_choice=how + split.choice, build_key=config.cache_key(),
         )
     )
 
@@ -359,6 +359,7 @@ def compile_graph(gm, example_inputs, ctx):
                 memory=predicted,
                 phases=phases,
                 step_choice=ctx.choice,
+                build_key=config.cache_key(),
             )
         )
         on_call = functools.partial(xla_memory.note_call, record, input_roles, forward_returns=user_outputs)
