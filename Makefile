@@ -173,7 +173,7 @@ $(JAX_STAMP): requirements-jax.txt
 bench: $(STAMP) $(NEWEST_STAMP) $(JAX_STAMP)
 	$(PY) bench/compile.py
 	$(PY) bench/donation.py
-	$(PY) bench/donation.py --models mlp50m_sgd,gpt6x512_adamw,mlp8x2048_gelu,preln4x512_adamw --repeats 2 \
+	$(PY) bench/donation.py --models mlp50m_sgd,gpt6x512_adamw,mlp8x2048_gelu,preln4x512_adamw,qwen2_adamw --repeats 3 \
 		--backends donate_xla,donate_xla_separate,donate_xla_stitch,openxla,lazy --json bench/results/donation_default.json
 	$(PY) bench/dispatch.py
 	$(PY) bench/spmd.py

@@ -10,7 +10,10 @@ Three measurements, each backend in fresh processes, `--repeats` interleaved run
     device work is negligible, so this is the backend's own per-call cost).
   - micro: 8 compiled forward/backward micro-batches, then a compiled optimizer
     step, per training step (gradient accumulation): seconds per training step.
-Targets: heavy return/done <= 5%; tiny and micro <= 1.0x openxla. Run: `make bench`.
+The heavy step also runs under each lever of donate_xla (``LEVERS``: backward segments,
+the stitched step, the separate executables, a memory limit), since each adds its own
+work to a call. Targets: heavy return/done <= 5% on every row; tiny and micro <= 1.0x
+openxla. Run: `make bench`.
 """
 from __future__ import annotations
 
@@ -22,6 +25,13 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 BACKENDS = ("donate_xla", "openxla")
+# donate_xla under each lever, on the heavy step: row -> torch.compile options
+LEVERS = {
+    "donate_xla_segments": {"backward_segments": 8},
+    "donate_xla_stitch": {"stitch": True},
+    "donate_xla_separate": {"stitch": False},
+    "donate_xla_limit": {"memory_limit": 2**31},
+}
 HEAVY_STEPS, TINY_CALLS, TINY_WINDOWS, MICRO_STEPS, MICRO_BATCHES = 5, 200, 5, 6, 8
 
 
@@ -46,7 +56,10 @@ def _compiled_sgd_step(widths, batch: int, backend: str):
     model = _mlp(widths).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
-    @torch.compile(backend=backend)
+    options = LEVERS.get(backend)
+    compiled = torch.compile(backend="donate_xla", options=options) if options else torch.compile(backend=backend)
+
+    @compiled
     def step(x):
         loss = model(x).square().mean()
         loss.backward()
@@ -164,16 +177,16 @@ def main() -> None:
 
     from xla_common import run_worker, summarize, write_results
 
-    runs = {(k, b): [] for k in KINDS for b in BACKENDS}
+    rows = [(k, b) for k in KINDS for b in BACKENDS + (tuple(LEVERS) if k == "heavy" else ())]
+    runs = {row: [] for row in rows}
     for _ in range(args.repeats):
-        for kind in KINDS:
-            for backend in BACKENDS:
-                runs[kind, backend].append(run_worker(__file__, "--worker", kind, backend))
+        for kind, backend in rows:
+            runs[kind, backend].append(run_worker(__file__, "--worker", kind, backend))
     figure = {"heavy": "fraction", "tiny": "host_s_per_call", "micro": "step_s"}
     print(f"\n== dispatch: {args.repeats} repeats, medians [min-max]")
     summary = {}
     for kind, key in figure.items():
-        for backend in BACKENDS:
+        for backend in BACKENDS + (tuple(LEVERS) if kind == "heavy" else ()):
             median, lo, hi = summarize(runs[kind, backend], key)
             summary[f"{kind}_{backend}"] = dict(median=median, min=lo, max=hi)
             extra = ""

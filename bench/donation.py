@@ -22,7 +22,9 @@ tensors whose new device address is one of the old ones; buffer-donor semantics
 let XLA give a parameter the old buffer of a same-shaped momentum, so sets are
 compared), how many of them got their own buffer back (XLA pairs donated buffers
 with same-sized results in parameter order, so two state tensors can swap buffers,
-which costs a copy of each) and the median step time (from the glibc runs).
+which costs a copy of each), the median step time (from the glibc runs) and the share of
+a step after which the compiled call returned (torch_xla runs asynchronously: a call that
+waits for nothing returns long before the device is done).
 Rows: donate_xla (the default: separate forward, backward and optimizer executables,
 or the stitched step where its plan chooses it after two steps), donate_xla_separate
 (DONATE_XLA_STITCH=0: never stitched, the default before it chose), donate_xla_stitch
@@ -181,11 +183,16 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
     before_ptrs = set(before)
     times = []
     rss_before = current_rss()
+    returns = []  # the share of a step after which the compiled call returned (the host went on)
     with RssSampler() as sampler:
         for i in range(steps):
             start = time.perf_counter()
-            run_step()
+            compiled(x, y)
+            returned = time.perf_counter() - start
+            torch_xla.sync()
+            xm.wait_device_ops()
             times.append(time.perf_counter() - start)
+            returns.append(returned / times[-1])
             if i == 0:
                 after_ptrs = [XLAC._unsafe_buffer_pointer(t) for t in state_tensors(model, opt)]
     reused = sum(p in before_ptrs for p in after_ptrs)
@@ -211,6 +218,7 @@ def worker(model_name: str, backend: str, steps: int) -> dict:
         own=own,
         step_s=median(times),
         step_times=times,
+        return_fraction=median(returns),
         grad_bytes=grad_bytes,
         saved_bytes=saved_activations_of_compiled_backwards() if backend.startswith("donate_xla") else None,
         rss=[(t, r - sampler.trough) for t, r in sampler.samples[::4]],

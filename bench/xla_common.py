@@ -128,7 +128,23 @@ def _gelu_mlp(width=2048, depth=8):
     return nn.Sequential(*layers)
 
 
-# Two more models, not tuned for: `--models` takes them (bench/xla_plan_accuracy.py runs them by default)
+def _qwen2(width=512, depth=4, heads=8, kv_heads=2, vocab=4096, seq=128):
+    """An HF Qwen2 causal LM from a config (random weights, offline): grouped-query attention,
+    rotary embeddings, RMSNorm and a SwiGLU MLP; its forward breaks dynamo's graph where HF
+    code does."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=vocab, hidden_size=width, intermediate_size=int(2.75 * width), num_hidden_layers=depth,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq,
+        attention_dropout=0.0, use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    return transformers.Qwen2ForCausalLM(config).train()
+
+
+# Three more models, not tuned for: `--models` takes them (bench/xla_plan_accuracy.py runs them by default)
 MORE_MODELS = {
     "mlp8x2048_gelu": dict(
         make=_gelu_mlp,
@@ -142,16 +158,29 @@ MORE_MODELS = {
         batch=lambda: (torch.randint(0, 4096, (8, 128)), torch.randint(0, 4096, (8, 128))),
         loss=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
     ),
+    "qwen2_adamw": dict(
+        make=_qwen2,
+        opt=lambda p: torch.optim.AdamW(p, lr=1e-4),
+        batch=lambda: (torch.randint(0, 4096, (8, 128)), torch.randint(0, 4096, (8, 128))),
+        loss=lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+    ),
 }
 
 
 # Calls before a measured step: they compile every graph and create the optimizer state; at
 # the third the default chooses the step's levers (donate_backend.choice) and a limit plans the
-# step again with the state counted (donate_backend.limit); a step the default stitches
-# compiles its donating variant at the fourth, and XLA:CPU's compile works in host memory,
-# which would count as the step's growth. From the fifth call every setting runs the
-# executables it keeps.
-WARM_UP_CALLS = 4
+# step again with the state counted (donate_backend.limit); where the default runs a lever, the
+# calls after it time the lever against the plain executables (choice.TRIAL, waiting for the
+# device at each timed step) and keep the faster; a step the default stitches compiles its
+# donating variant at its second call, and XLA:CPU's compile works in host memory, which
+# would count as the step's growth. From then on every setting runs the executables it keeps.
+def _warm_up_calls() -> int:
+    from donate_backend import choice
+
+    return choice.STEPS + 1 + len(choice.TRIAL) + 2
+
+
+WARM_UP_CALLS = _warm_up_calls()
 
 
 def build(model_name: str, device):
