@@ -13,6 +13,7 @@ from .planner import MemoryPlan, memory_plan
 from .report import GraphRecord, clear_reports, format_record, format_table, reports
 
 
+
 def _register() -> None:
     from .backend import donate_xla
     from .torch_compat import register_backend

@@ -9,8 +9,8 @@ picks what to recompute, and random ops are never among it
 
 Under a ``memory_limit`` (``partition(..., fit=True)``) it tries the budget in
 force, then smaller shares (``SHARES``), predicting each candidate's step peak
-from its forward and backward (``native.memory`` replays them; the XLA path
-passes ``xla.memory.predict_step``), and keeps the first that fits: the least recomputation
+from its forward and backward with the path's own estimate (``native.memory``
+replays them, ``xla.memory`` models XLA's fusion), and keeps the first that fits: the least recomputation
 that fits. Where the path gives an ``offload`` lever for the graph (the native
 path on CUDA, ``native.offload.lever``), each budget is tried as it is, then
 with the saved activations offloaded to host memory, before the next smaller
@@ -28,25 +28,19 @@ from typing import Optional
 import torch
 import torch.fx
 
-from . import config, torch_compat
+from . import config, graph_meta, torch_compat
 from .errors import DonateXlaError, UnsupportedGraphError
 
 log = logging.getLogger("donate_xla")
 
 
 SHARES = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)  # activation budgets tried under a memory limit
-SHARE_META = "donate_xla_budget_share"  # a candidate backward's meta: the budget it was partitioned at
-CHOICE_META = "donate_xla_budget_choice"  # forward module meta: what the limit chose, as text
-# forward module meta: seconds spent choosing (the candidates' partitions and predictions)
-PLAN_SECONDS_META = "donate_xla_plan_seconds"
-PLAN_PHASE = "memory limit plan"  # the phase of a forward's compile_seconds those seconds are
-# forward module meta: the step peak (bytes) predicted for the forward and backward a limit chose
-PLANNED_PEAK_META = "donate_xla_planned_peak"
+PLAN_PHASE = "memory limit plan"  # the phase of a forward's compile_seconds spent choosing
 
 
 def plan_phase(fw_module: torch.fx.GraphModule) -> tuple:
     """``((PLAN_PHASE, seconds),)`` for a forward a memory limit was planned for, else ()."""
-    seconds = fw_module.meta.get(PLAN_SECONDS_META)
+    seconds = fw_module.meta.get(graph_meta.PLAN_SECONDS)
     return ((PLAN_PHASE, seconds),) if seconds is not None else ()
 
 
@@ -64,9 +58,11 @@ def partition(min_cut, *args, fit: bool = False, predict_step=None, offload=None
     """Min-cut under the activation budget in force (``DONATE_XLA_ACTIVATION_BUDGET``),
     or, with ``fit`` and a ``memory_limit``, under the first budget that fits it.
     ``predict_step(fw_module, bw_module, num_forward_outputs) -> (peak, parts)``
-    predicts a candidate's step (default: the native replay, ``native.memory``).
-    ``offload(joint)``: None, or a wrapper of a partition function that offloads the
-    saved activations (``native.offload.lever``), tried under a limit.
+    predicts a candidate's step (the path's own estimate: ``native.memory``,
+    ``xla.memory``); needed with ``fit``. ``offload``: None, or the path's offload lever
+    (``native.offload.lever``): ``offload(joint)`` None or a wrapper of a partition
+    function that offloads the saved activations, tried under a limit, and
+    ``offload.moved_bytes(fw_module)`` what it moves.
 
     Below 1.0, aot_autograd's memory-budget partitioning saves only that share
     of the activations (by its own estimate) and recomputes the rest in the
@@ -74,8 +70,6 @@ def partition(min_cut, *args, fit: bool = False, predict_step=None, offload=None
     """
     settings = config.current()
     if fit and settings.memory_limit is not None:
-        if predict_step is None:
-            from .native.memory import predict_step
         return _fit(min_cut, settings, predict_step, *args, offload=offload, **kwargs)
     return _partition_at(settings.activation_budget, min_cut, *args, **kwargs)
 
@@ -96,23 +90,21 @@ def _fit(min_cut, settings, predict_step, joint, *args, offload=None, **kwargs):
         if off:
             partition_fn = offloading(partition_fn)
         fw_module, bw_module = partition_fn(candidate, *args, **kwargs)
-        bw_module.meta[SHARE_META] = share
+        bw_module.meta[graph_meta.BUDGET_SHARE] = share
         peak, parts = predict_step(fw_module, bw_module, kwargs.get("num_fwd_outputs"))
         label = f"{share:g}{OFFLOADED if off else ''}"
         tried.append((label, peak, parts))
         if peak <= limit:
             moved = ""
             if off:
-                from .native.offload import offloaded_bytes
-
-                moved = (f" with {_mib(offloaded_bytes(fw_module))} of saved activations offloaded to host "
+                moved = (f" with {_mib(offload.moved_bytes(fw_module))} of saved activations offloaded to host "
                          "memory (copied out after the forward and back for the backward, each step)")
-            fw_module.meta[CHOICE_META] = (
+            fw_module.meta[graph_meta.BUDGET_CHOICE] = (
                 f"activation budget {share:g}{moved} chosen under memory_limit {_mib(limit)} "
                 f"(predicted step peak {_mib(peak)}; tried {', '.join(f'{s}: {_mib(p)}' for s, p, _ in tried)})"
             )
-            fw_module.meta[PLAN_SECONDS_META] = time.perf_counter() - started
-            fw_module.meta[PLANNED_PEAK_META] = peak
+            fw_module.meta[graph_meta.PLAN_SECONDS] = time.perf_counter() - started
+            fw_module.meta[graph_meta.PLANNED_PEAK] = peak
             return fw_module, bw_module
     label, least, parts = min(tried, key=lambda t: t[1])
     largest = ", ".join(f"{c} {_mib(b)}" for c, b in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if b > 0)

@@ -86,10 +86,9 @@ class Settings:
 
         By default only under an activation budget below 1.0: at the full budget
         the min-cut partitioner recomputes only cheap ops that XLA fuses into the
-        gradient computations reading them, so the ordering lowered no memory
-        (6-layer GPT, live bytes: 454 against 453 MiB) and cost its XLA compile
-        time (backward 1.60 against 1.42 s). ``DONATE_XLA_ORDER_RECOMPUTE`` 1 or
-        0 decides it at any budget.
+        gradient computations reading them, so the ordering lowered no memory and
+        cost XLA compile time (docs/xla.md, "Measured reasons").
+        ``DONATE_XLA_ORDER_RECOMPUTE`` 1 or 0 decides it at any budget.
         """
         if self.order_recompute is not None:
             return self.order_recompute

@@ -3,12 +3,11 @@
 ``budget.partition`` fits a forward and its backward under ``memory_limit``
 while they compile. That is before the optimizer's first step makes its
 state, so neither the state nor the optimizer's own graph is in that
-prediction. For each graph compiled under a limit the backend returns a
-``LimitedGraph``: it runs the compiled function, and once the step has run
-``STEPS`` times it plans the whole step (``planner.memory_plan``, the state
-counted as resident). On the XLA path a step over the limit is stitched if
-the stitched step fits (``choice.stitch_to_fit``: it recomputes nothing).
-Else it is planned again: the same dynamo
+prediction. Each function compiled under a limit carries a ``LimitLayer``
+(``step.StepCompiled``): once the step has run ``STEPS`` times it plans the whole
+step (``planner.memory_plan``, the state counted as resident). A step over the
+limit first takes the path's lever that recomputes nothing if that fits
+(``choice.fit``; on the XLA path, the stitched step). Else it is planned again: the same dynamo
 graph, on fake copies of its inputs, goes through aot_autograd once more
 under the limit less what the step holds beyond the planned forward and
 backward (at least the state), so the least recomputation that fits with the
@@ -28,13 +27,12 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Callable, Optional
+from typing import Optional
 
-from . import config, report, torch_compat
+from . import config, graph_memory, report, torch_compat
 from . import choice as step_choice
 from .budget import MemoryLimitError
 from .errors import DonateXlaError
-from .native import memory as native_memory
 from .planner import MemoryPlan, last_step, memory_plan
 
 MIB = 2**20
@@ -42,43 +40,39 @@ STEPS = step_choice.STEPS  # the first step makes the optimizer state, the secon
 MAX_REPLANS = 1  # times a graph is planned again (with the state counted); then it warns
 
 
-class LimitedGraph:
-    """The compiled function of a dynamo graph under ``memory_limit`` (see the module docstring)."""
+class LimitLayer:
+    """A compiled function under ``memory_limit`` (see the module docstring): a layer of
+    its ``step.StepCompiled``, which counts the calls and compiles it again."""
 
-    def __init__(self, request, example_inputs, compiled: Callable, compile_request: Callable, limit: int):
-        self.request = request  # backend.GraphRequest
+    def __init__(self, owner, example_inputs, limit: int):
+        self.owner = owner  # step.StepCompiled
+        self.request = owner.request  # graphs.GraphRequest
         self.limit = limit
-        self.compiled = compiled
-        self._compile_request = compile_request  # backend.compile_request
         # None: cannot be compiled again (a graph with symbolic sizes would come back static)
-        self._fakes = None if _symbolic(request.gm) else torch_compat.fake_copies(example_inputs)
-        if getattr(compiled, "_boxed_call", False):
-            self._boxed_call = True  # an instance attribute: dynamo's disable() copies __dict__
-        self._calls = 0
-        self.replans = 0  # times this graph was planned again with the whole step counted
+        self._fakes = None if _symbolic(self.request.gm) else torch_compat.fake_copies(example_inputs)
+        self.replans = 0  # times this graph was planned again (with the state counted)
 
     @property
     def replanned(self) -> bool:
         return self.replans > 0
 
-    def __call__(self, *args):
-        self._calls += 1
-        if self._calls == STEPS + 1:
-            self.check()
-        return self.compiled(*args)
+    def before_call(self, owner) -> None:
+        if owner.calls == STEPS + 1:
+            self.check(owner.records())
 
-    def _records(self) -> list:
-        return [r for r in report.reports() if r.graph_id == self.request.graph_id]
+    def _records(self, records=None) -> list:
+        """This graph's records among ``records`` (default: the path's now)."""
+        records = self.owner.records() if records is None else records
+        return [r for r in records if r.graph_id == self.request.graph_id]
 
-    def check(self) -> Optional[str]:
-        """Plan the whole step; over the limit, plan this graph again (or warn). Returns
-        what was done, as text (None: within the limit, or no plan)."""
-        own = self._records()
+    def check(self, same_path: list) -> Optional[str]:
+        """Plan the whole step (``same_path``: the records of this function's path); over
+        the limit, plan this graph again (or warn). Returns what was done, as text (None:
+        within the limit, or no plan)."""
+        own = self._records(same_path)
         forward = next((r for r in own if r.kind == "forward" and r.planned_peak is not None), None)
         if forward is None:  # no training step was planned (inference, an optimizer's graph)
             return None
-        path = forward.path
-        same_path = [r for r in report.reports() if r.path == path]
         # the step from the first forward planned under the limit: every graph's check
         # sees the same step (a loss compiled on its own runs after the model's forward)
         ran = [r for r in same_path if r.graph_id in _limited_forwards(same_path) and r.kind == "forward"
@@ -95,19 +89,18 @@ class LimitedGraph:
             # one XLA computation, whose schedule the plan only approximates, and which
             # no activation budget is planned for: warned, not refused
             return self._warn(plan, stitched=True)
-        if path == "xla":  # the stitched step, if it fits: it recomputes nothing
-            stitched = step_choice.stitch_to_fit(self.request.graph_id, self.limit)
-            if stitched is not None:
-                return stitched
+        fitted = step_choice.fit(same_path, self.request.graph_id, self.limit)  # a lever that recomputes nothing
+        if fitted is not None:
+            return fitted
         owner = _peak_owner(plan, same_path)
         if owner is not None and owner != self.request.graph_id:
             return None  # the step peaks in another graph planned under the limit: its own check plans it
         if self._fakes is None or self.replans >= MAX_REPLANS:
             return self._warn(plan)
-        return self._plan_again(plan, forward)
+        return self._plan_again(plan, forward, same_path)
 
     def _warn(self, plan: MemoryPlan, stitched: bool = False) -> str:
-        state = plan.breakdown.get(native_memory.OPTIMIZER_STATE, 0)
+        state = plan.breakdown.get(graph_memory.OPTIMIZER_STATE, 0)
         message = (
             f"donate_xla: graph {self.request.graph_id}: the whole step is predicted at "
             f"{plan.peak_bytes / MIB:.1f} MiB, {(plan.peak_bytes - self.limit) / MIB:.1f} MiB over "
@@ -123,11 +116,11 @@ class LimitedGraph:
         warnings.warn(message, stacklevel=3)
         return message
 
-    def _plan_again(self, plan: MemoryPlan, forward: report.GraphRecord) -> str:
+    def _plan_again(self, plan: MemoryPlan, forward: report.GraphRecord, same_path: list) -> str:
         graph_id = self.request.graph_id
-        old = self._records()
+        old = self._records(same_path)
         names = {r.name for r in old}
-        state = plan.breakdown.get(native_memory.OPTIMIZER_STATE, 0)
+        state = plan.breakdown.get(graph_memory.OPTIMIZER_STATE, 0)
         # The step's peak is the higher of the part from this graph's forward to the end of
         # its backward (which recomputation lowers) and the rest (the optimizer's graph,
         # which it does not).
@@ -148,7 +141,7 @@ class LimitedGraph:
                 raise MemoryLimitError("", least_bytes=0)
             mode, fakes = self._fakes
             with torch_compat.fresh_tracing(mode):
-                compiled = self._compile_request(self.request.with_limit(lower), fakes)
+                compiled = self.owner.recompile(self.request.with_limit(lower), fakes)
         except MemoryLimitError as error:
             kept = {id(r) for r in old}
             report.discard([r for r in self._records() if id(r) not in kept])
@@ -162,24 +155,21 @@ class LimitedGraph:
                 why = (f"{beyond / MIB:.1f} MiB beyond the forward and backward, which need at least "
                        f"{error.least_bytes / MIB:.1f} MiB at any activation budget")
             with config.overriding(self.request.overrides):
-                stitched = config.current().stitch
-            stitch = ""
-            if forward.path == "xla" and not stitched:
-                stitch = (" On the XLA path a stitched step (options={'stitch': True}) runs the graphs as "
-                          "one XLA computation, which frees each gradient as the optimizer consumes it"
-                          + _stitched_estimate(forward.path, graph_id) + " (docs/donation.md, 'Below the floor').")
+                settings = config.current()
+            levers = self.request.path.levers()
+            hint = levers.refusal_hint(graph_id, settings, same_path) if levers is not None else ""
             raise MemoryLimitError(
                 f"donate_xla: graph {graph_id}: once the optimizer's first step made its state "
                 f"({state / MIB:.1f} MiB), the step needs at least {need / MIB:.1f} MiB ({need} bytes): "
                 f"{why}; memory_limit is {self.limit / MIB:.1f} MiB ({self.limit} bytes). The first "
                 f"{STEPS} steps ran before the state existed; this one has not run. Raise the limit, "
-                "or lower what the step holds (a smaller batch, an optimizer with less state)." + stitch,
+                "or lower what the step holds (a smaller batch, an optimizer with less state)." + hint,
                 least_bytes=need,
             ) from None
         report.discard(old)
-        self.compiled = compiled
+        self.owner.compiled = compiled
         self.replans += 1
-        self._calls = 1  # this call is the new graphs' first step
+        self.owner.calls = 1  # this call is the new graphs' first step
         note = (
             f"planned again after {STEPS} steps with the whole step counted (optimizer state "
             f"{state / MIB:.1f} MiB; {beyond / MIB:.1f} MiB beyond the forward and backward): "
@@ -187,7 +177,7 @@ class LimitedGraph:
         )
         for r in self._records():
             if r.kind == "forward" and r.budget_choice:
-                r.budget_choice = f"{r.budget_choice}; {note}"
+                r.choices.budget_choice = f"{r.budget_choice}; {note}"
         return note
 
 
@@ -213,18 +203,6 @@ def _peak_owner(plan: MemoryPlan, records) -> Optional[int]:
         if places and places[0] <= at <= places[-1]:
             spans.append((planned, graph_id))
     return max(spans)[1] if spans else None
-
-
-def _stitched_estimate(path: str, graph_id: int) -> str:
-    """The step planned as if stitched (``memory_plan(as_stitched=True)``), as text."""
-    try:
-        plan = memory_plan([r for r in report.reports() if r.path == path], workspaces=False, as_stitched=True,
-                           graph_id=graph_id)
-    except DonateXlaError:
-        return ""
-    if not any("stitched step" in note for note in plan.notes):
-        return ""  # its backward runs in segments: no estimate
-    return f"; this step stitched is planned at {plan.peak_bytes / MIB:.1f} MiB ({plan.peak_bytes} bytes)"
 
 
 def _symbolic(gm) -> bool:

@@ -25,33 +25,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import dynamo_compat, report
+from . import graph_memory, report
 from .analysis.aliasing import storage_address
 from .errors import DonateXlaError
-from .native import compat as native_compat
-from .native import memory as native_memory
-from .native import workspace
+from .graph_memory import CATEGORIES
 
 MIB = 2**20
-
-_ROLE_CATEGORY = {
-    "parameter": native_memory.PARAMETERS,
-    "buffer": native_memory.BUFFERS,
-    "optimizer_state": native_memory.OPTIMIZER_STATE,
-    "other": native_memory.INPUTS,
-}
-CATEGORIES = (
-    native_memory.PARAMETERS,
-    native_memory.BUFFERS,
-    native_memory.OPTIMIZER_STATE,
-    native_memory.INPUTS,
-    native_memory.GRADIENTS,
-    native_memory.ACTIVATIONS,
-    native_memory.OUTPUTS,
-    native_memory.TEMPORARIES,
-    native_memory.WORKSPACE,
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class PlannedGraph:
@@ -174,7 +153,7 @@ def _at_sizes(record: report.GraphRecord, sizes: Optional[tuple]) -> report.Grap
     if record.memory is not None and record.memory.tangent_bytes:
         scale = memory.tangent_bytes / record.memory.tangent_bytes
         tangents, passed, dropped = (None if v is None else round(v * scale) for v in (tangents, passed, dropped))
-    return dataclasses.replace(record, memory=memory, tangent_bytes=tangents, tangents_passed_bytes=passed,
+    return record.replaced(memory=memory, tangent_bytes=tangents, tangents_passed_bytes=passed,
                                outputs_dropped=dropped)
 
 
@@ -210,6 +189,12 @@ def _last_step_calls(log: list, ran: Sequence[report.GraphRecord]) -> list:
     while kinds[start] != "forward" and log[start][1] in tail:
         start += 1
     return log[start:]
+
+
+def last_step_calls() -> list:
+    """The calls of the last step among all graphs (``report.calls()`` entries)."""
+    ran = sorted((r for r in report.reports() if r.first_call is not None), key=lambda r: r.last_call)
+    return _last_step_calls(report.calls(), ran) if ran else []
 
 
 def last_step(records: List[report.GraphRecord], graph_id: Optional[int] = None) -> List[report.GraphRecord]:
@@ -266,7 +251,7 @@ def _updates_parameters(record: report.GraphRecord) -> bool:
     return "parameter" in record.overwritten_roles
 
 
-def _optimizer_state_bytes(optimizer, seen: set) -> int:
+def _optimizer_state_bytes(optimizer, seen: set, path) -> int:
     import torch
 
     total = 0
@@ -276,7 +261,7 @@ def _optimizer_state_bytes(optimizer, seen: set) -> int:
                 key = storage_address(value)
                 if key is not None and key not in seen:
                     seen.add(key)
-                    total += native_memory.nbytes(value)
+                    total += path.tensor_bytes(value)
     return total
 
 
@@ -324,8 +309,30 @@ def memory_plan(
     since it last ran); default: of the forward that last ran first.
     """
     records = list(report.reports() if records is None else records)
-    native = [r for r in records if r.memory is not None]
-    if not native:
+    path, step = _step_of(records, graph_id)
+    ordered = _step_order(step)
+    if as_stitched and not any(r.backward_segments for r in records):
+        ordered = [r.replaced(stitched=True) for r in ordered]
+    resident, seen = _resident(step, ordered)
+    if optimizer is not None:
+        resident[graph_memory.OPTIMIZER_STATE] += _optimizer_state_bytes(optimizer, seen, path)
+    composed = _StepLedger(resident, path, workspaces).run(ordered, seen, _made_in_step(step)[1])
+    return MemoryPlan(
+        peak_bytes=composed.peak,
+        resident_bytes=sum(resident.values()),
+        breakdown=dict(composed.breakdown),
+        graphs=tuple(composed.planned),
+        choices=_choices([r for r in records if r.path == path.name]),
+        path=path.name,
+        notes=tuple(_notes(path, records, step, ordered, composed)),
+    )
+
+
+def _step_of(records: Sequence[report.GraphRecord], graph_id: Optional[int]):
+    """(the path, the records of its last step): refused where nothing was predicted, or
+    the records are of two paths."""
+    predicted = [r for r in records if r.memory is not None]
+    if not predicted:
         raise DonateXlaError(
             "donate_xla: memory_plan() found no compiled graph to plan"
             + (f" ({len(records)} graph(s) compiled, none with a prediction: DONATE_XLA_DEBUG=1 "
@@ -334,197 +341,212 @@ def memory_plan(
             "then call memory_plan().",
             help_section="Memory plan",
         )
-    paths = sorted({r.path for r in native})
-    if len(paths) > 1:
+    names = sorted({r.path for r in predicted})
+    if len(names) > 1:
         raise DonateXlaError(
-            "donate_xla: memory_plan() found graphs of both paths (XLA and native devices): "
-            "a step runs on one device. Pass records=[r for r in donate_backend.reports() "
-            "if r.path == 'xla'] (or 'native'), or clear_reports() before compiling the step.",
+            f"donate_xla: memory_plan() found graphs of several paths ({', '.join(names)}): a step "
+            "runs on one device. Pass records=[r for r in donate_backend.reports() if r.path == "
+            f"{names[-1]!r}] (or {' or '.join(repr(n) for n in names[:-1])}), or clear_reports() before "
+            "compiling the step.",
             help_section="Memory plan",
         )
-    path = paths[0]
-    native = last_step(native, graph_id)
-    # An input that is neither state nor a parameter, which another graph returned, is
-    # that graph's output (logits read by a loss compiled separately), not resident.
-    # (Optimizer state a first step's graph returned is resident all the same.)
-    returned = set().union(*(r.returned for r in native))
-    # what code run eagerly made in the step (``GraphRecord.eager_saved``), which a graph
-    # that reads it does not hold between steps; a graph's output is that graph's
-    eager_made = {key for r in native for key, _ in r.eager_saved} - returned
-    ordered = _step_order(native)
+    step = last_step(predicted, graph_id)
+    estimator = next((r.estimator for r in step if r.estimator is not None), None)
+    return _Path(names[0], estimator), step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Path:
+    """The plan's view of the step's path: its name and its memory estimator (the module
+    that predicted the graphs: ``plan_notes``, ``tensor_bytes``, ``workspace_bytes``)."""
+
+    name: str
+    estimator: object
+
+    def plan_notes(self, facts) -> list:
+        return self.estimator.plan_notes(facts) if self.estimator is not None else []
+
+    def tensor_bytes(self, value) -> int:
+        if self.estimator is not None:
+            return self.estimator.tensor_bytes(value)
+        return graph_memory.dense_bytes(value)
+
+    def workspace_bytes(self, call) -> int:
+        return self.estimator.workspace_bytes(call) if self.estimator is not None else 0
+
+
+def _made_in_step(step) -> tuple:
+    """(what the step's graphs returned, what code run eagerly made in the step that a graph
+    reads): neither is held between steps. An input that is neither state nor a parameter
+    and that another graph returned is that graph's output (logits read by a loss compiled
+    separately); optimizer state a first step's graph returned is resident all the same."""
+    returned = set().union(*(r.returned for r in step))
+    eager_made = {key for r in step for key, _ in r.eager_saved} - returned
+    return returned, eager_made
+
+
+def _resident(step, ordered) -> tuple:
+    """(bytes by category of the tensors the step's graphs read that the caller holds
+    between steps, each storage once; the storages counted)."""
+    returned, eager_made = _made_in_step(step)
     seen: set = set()
     resident: Dict[str, int] = {c: 0 for c in CATEGORIES}
     for r in {id(r): r for r in ordered}.values():
         for role, storage, nbytes in r.held_inputs:
-            category = _ROLE_CATEGORY.get(role)
+            category = graph_memory.ROLE_CATEGORY.get(role)
             made_in_step = storage in returned or storage in eager_made
             if category is None or storage in seen or (role == "other" and made_in_step):
                 continue  # gradients come from the backward that makes them
             seen.add(storage)
             resident[category] += nbytes
-    if optimizer is not None:
-        resident[native_memory.OPTIMIZER_STATE] += _optimizer_state_bytes(optimizer, seen)
-    resident_bytes = sum(resident.values())
+    return resident, seen
 
-    carried: Dict[str, int] = {c: 0 for c in CATEGORIES}
-    level = resident_bytes
-    peak, breakdown = resident_bytes, dict(resident)
-    passed = 0  # input gradients a backward returned that an earlier graph's backward takes
-    returned_dropped = 0  # what the last backward returned that is dropped before the next one runs
-    planned = []
-    outputs_of: Dict[int, int] = {}  # forward graph id -> bytes of its outputs carried so far
-    if as_stitched and path == "xla" and not any(r.backward_segments for r in records):
-        ordered = [dataclasses.replace(r, stitched=True) for r in ordered]
-    consumers = _gradient_consumers(ordered)
-    # What code run eagerly before a forward saved for the backward (native path): held
-    # from that forward's first run in the step until its last backward has run (the
-    # eager ops' backward runs right after it), each storage counted once.
-    eager_of: Dict[int, int] = {}
-    eager_seen: set = set()
-    last_backward = {r.graph_id: position for position, r in enumerate(ordered) if r.kind == "backward"}
-    for position, r in enumerate(ordered):
+
+class _StepLedger:
+    """The step's graphs run in order over the resident bytes: what each carries to the
+    next (a forward's saved activations and outputs, a backward's gradients, what eager
+    code saved), and the peak (module docstring)."""
+
+    def __init__(self, resident: Dict[str, int], path, workspaces: bool) -> None:
+        self.resident = resident
+        self.path = path
+        self.workspaces = workspaces
+        self.carried: Dict[str, int] = {c: 0 for c in CATEGORIES}
+        self.level = sum(resident.values())
+        self.peak, self.breakdown = self.level, dict(resident)
+        self.passed = 0  # input gradients a backward returned that an earlier graph's backward takes
+        self.returned_dropped = 0  # what the last backward returned that is dropped before the next one runs
+        self.planned: List[PlannedGraph] = []
+        self.outputs_of: Dict[int, int] = {}  # forward graph id -> bytes of its outputs carried so far
+        # What code run eagerly before a forward saved for the backward: held from that
+        # forward's first run in the step until its last backward has run (the eager ops'
+        # backward runs right after it), each storage counted once.
+        self.eager_of: Dict[int, int] = {}
+        self.eager_seen: set = set()
+        self.consumers: Dict[int, int] = {}
+
+    def run(self, ordered, seen: set, eager_made: set) -> "_StepLedger":
+        self.consumers = _gradient_consumers(ordered)
+        last_backward = {r.graph_id: position for position, r in enumerate(ordered) if r.kind == "backward"}
+        for position, r in enumerate(ordered):
+            if r.kind == "forward":
+                self._eager_saved_before(r, seen, eager_made)
+            if r.memory.kind == "backward":
+                self._before_backward(r)
+            start = self.level
+            graph_peak, at_peak = self._graph_peak(r, position, start)
+            if graph_peak > self.peak:
+                self.peak, self.breakdown = graph_peak, at_peak
+            self._after(r, position, start, last_backward)
+            self.planned.append(PlannedGraph(r.name, start, graph_peak, self.level, tuple(at_peak.items()),
+                                             r.graph_id, r.kind))
+        return self
+
+    def _eager_saved_before(self, r, seen: set, eager_made: set) -> None:
+        if not r.eager_saved or r.graph_id in self.eager_of:
+            return
+        fresh = {key: nbytes for key, nbytes in r.eager_saved
+                 if key in eager_made and key not in seen and key not in self.eager_seen}
+        self.eager_seen.update(fresh)
+        self.eager_of[r.graph_id] = sum(fresh.values())
+        self.carried[graph_memory.ACTIVATIONS] += self.eager_of[r.graph_id]
+        self.level += self.eager_of[r.graph_id]
+
+    def _before_backward(self, r) -> None:
         m = r.memory
-        if r.kind == "forward" and r.eager_saved and r.graph_id not in eager_of:
-            fresh = {key: nbytes for key, nbytes in r.eager_saved
-                     if key in eager_made and key not in seen and key not in eager_seen}
-            eager_seen.update(fresh)
-            eager_of[r.graph_id] = sum(fresh.values())
-            carried[native_memory.ACTIVATIONS] += eager_of[r.graph_id]
-            level += eager_of[r.graph_id]
-        if m.kind == "backward" and r.outputs_held is not None:
+        if r.outputs_held is not None:
             # Forward outputs the caller had dropped when this backward first ran
             # (``loss = f(x).sum()`` keeps no output; an HF model's output object keeps all).
             for graph_id, held in r.outputs_held.items():
-                dropped = max(0, min(outputs_of.get(graph_id, 0), carried[native_memory.OUTPUTS]) - held)
+                dropped = max(0, min(self.outputs_of.get(graph_id, 0), self.carried[graph_memory.OUTPUTS]) - held)
                 if dropped:
-                    outputs_of[graph_id] -= dropped
-                    carried[native_memory.OUTPUTS] -= dropped
-                    level -= dropped
-        if m.kind == "backward" and returned_dropped:
+                    self.outputs_of[graph_id] -= dropped
+                    self.carried[graph_memory.OUTPUTS] -= dropped
+                    self.level -= dropped
+        if self.returned_dropped:
             # What the last backward returned that code run eagerly consumed and dropped
             # before this one ran (a mixture of experts' routing between graph breaks)
-            carried[native_memory.GRADIENTS] -= returned_dropped
-            passed = max(0, passed - returned_dropped)
-            level -= returned_dropped
-            returned_dropped = 0
-        if m.kind == "backward":
-            # Its tangents exist before it runs: taken from what a later backward passed
-            # on, the rest made by the caller (the loss's ones, zeros for outputs that got
-            # no gradient).
-            if r.tangent_bytes is not None and r.tangents_passed_bytes is not None:
-                # seen on its first call: which tangents an earlier backward returned
-                fresh = max(0, r.tangent_bytes - r.tangents_passed_bytes)
-            else:  # not run yet: the gradients of non-parameter inputs an earlier one returned
-                taken = min(passed, m.tangent_bytes)
-                passed -= taken
-                fresh = m.tangent_bytes - taken
-            carried[native_memory.GRADIENTS] += fresh
-            level += fresh
-        start = level
+            self.carried[graph_memory.GRADIENTS] -= self.returned_dropped
+            self.passed = max(0, self.passed - self.returned_dropped)
+            self.level -= self.returned_dropped
+            self.returned_dropped = 0
+        # Its tangents exist before it runs: taken from what a later backward passed on,
+        # the rest made by the caller (the loss's ones, zeros for outputs that got no gradient).
+        if r.tangent_bytes is not None and r.tangents_passed_bytes is not None:
+            # seen on its first call: which tangents an earlier backward returned
+            fresh = max(0, r.tangent_bytes - r.tangents_passed_bytes)
+        else:  # not run yet: the gradients of non-parameter inputs an earlier one returned
+            taken = min(self.passed, m.tangent_bytes)
+            self.passed -= taken
+            fresh = m.tangent_bytes - taken
+        self.carried[graph_memory.GRADIENTS] += fresh
+        self.level += fresh
+
+    def _graph_peak(self, r, position: int, start: int) -> tuple:
+        """(the step's level at this graph's peak, bytes by category then)."""
+        m = r.memory
         own_peak, own_parts = m.peak_bytes, dict(m.peak_parts)
-        if workspaces:
+        if self.workspaces:
             for at, parts, call in m.workspace_points:
-                extra = workspace.workspace_bytes(call)
+                extra = self.path.workspace_bytes(call)
                 if extra and at + extra > own_peak:
                     own_peak = at + extra
-                    own_parts = dict(parts, **{native_memory.WORKSPACE: extra})
-        consumed = 0
-        update = consumers.get(position)
+                    own_parts = dict(parts, **{graph_memory.WORKSPACE: extra})
+        update = self.consumers.get(position)
         if update is not None:
             # A stitched step: the optimizer's update of each parameter runs as soon as
             # its gradient exists, inside the same XLA computation, so one gradient (and
             # one update's temporaries) is live at a time instead of all of them.
-            consumed = max(0, dict(own_parts).get(native_memory.GRADIENTS, 0) - m.passed_grad_bytes)
+            consumed = self._consumed(r, own_parts)
             one = min(m.largest_output_bytes, consumed)
             own_peak += one + update - consumed
-            own_parts = dict(own_parts)
-            own_parts[native_memory.GRADIENTS] = own_parts.get(native_memory.GRADIENTS, 0) - consumed + one
-            own_parts[native_memory.TEMPORARIES] = own_parts.get(native_memory.TEMPORARIES, 0) + update
-        at_peak = {c: resident[c] + carried[c] + own_parts.get(c, 0) for c in CATEGORIES}
-        graph_peak = start + own_peak
-        if graph_peak > peak:
-            peak, breakdown = graph_peak, at_peak
+            own_parts[graph_memory.GRADIENTS] = own_parts.get(graph_memory.GRADIENTS, 0) - consumed + one
+            own_parts[graph_memory.TEMPORARIES] = own_parts.get(graph_memory.TEMPORARIES, 0) + update
+        at_peak = {c: self.resident[c] + self.carried[c] + own_parts.get(c, 0) for c in CATEGORIES}
+        return start + own_peak, at_peak
+
+    def _consumed(self, r, own_parts) -> int:
+        """The gradients a stitched backward's optimizer consumes as they are made."""
+        return max(0, dict(own_parts).get(graph_memory.GRADIENTS, 0) - r.memory.passed_grad_bytes)
+
+    def _after(self, r, position: int, start: int, last_backward: dict) -> None:
+        m = r.memory
+        consumed = self._consumed(r, dict(m.peak_parts)) if position in self.consumers else 0
         for category, nbytes in m.end_parts:
-            carried[category] = carried.get(category, 0) + nbytes
+            self.carried[category] = self.carried.get(category, 0) + nbytes
         if r.kind == "forward":
-            outputs_of[r.graph_id] = outputs_of.get(r.graph_id, 0) + dict(m.end_parts).get(native_memory.OUTPUTS, 0)
-        carried[native_memory.GRADIENTS] -= consumed
-        level = start + m.end_bytes - consumed
-        passed += m.passed_grad_bytes
+            self.outputs_of[r.graph_id] = self.outputs_of.get(r.graph_id, 0) + dict(m.end_parts).get(
+                graph_memory.OUTPUTS, 0)
+        self.carried[graph_memory.GRADIENTS] -= consumed
+        self.level = start + m.end_bytes - consumed
+        self.passed += m.passed_grad_bytes
         if m.kind == "backward":
-            returned_dropped = r.outputs_dropped or 0
-            if last_backward.get(r.graph_id) == position and eager_of.get(r.graph_id):
-                carried[native_memory.ACTIVATIONS] -= eager_of[r.graph_id]
-                level -= eager_of[r.graph_id]
-        planned.append(PlannedGraph(r.name, start, graph_peak, level, tuple(at_peak.items()), r.graph_id, r.kind))
+            self.returned_dropped = r.outputs_dropped or 0
+            if last_backward.get(r.graph_id) == position and self.eager_of.get(r.graph_id):
+                self.carried[graph_memory.ACTIVATIONS] -= self.eager_of[r.graph_id]
+                self.level -= self.eager_of[r.graph_id]
+
+
+def _notes(path, records, step, ordered, composed: "_StepLedger") -> list:
+    """What the plan could not see: graphs with no prediction, and the path's own notes."""
     # (a backward split into segments is planned through its segments' records)
     unplanned = [r.name for r in records
-                 if r.path == path and r.memory is None and r.device != "cpu" and not r.backward_segments]
+                 if r.path == path.name and r.memory is None and r.device != "cpu" and not r.backward_segments]
     notes = [f"{name}: no prediction (its replay failed; DONATE_XLA_DEBUG=1 logs why), not counted"
              for name in unplanned]
-    if any(r.device == "meta" for r in native):
-        notes.append(
-            "planned on the meta device: sizes counted in CUDA's 512-byte blocks; no kernel ran, so "
-            "kernel workspaces (convolutions, fused attention, cuBLAS) and memory an allocator caches "
-            "are not counted, and ops take their meta form (scaled_dot_product_attention its math "
-            "form, which saves the attention weights CUDA's fused kernels do not)"
-        )
-    if path == "xla":
-        notes.append(
-            "XLA: each executable's temporaries come from a model of XLA's fusion over the graph, "
-            "not from XLA's buffer assignment; XLA's scheduler may hold more at once"
-        )
-        if consumers:
-            notes.append(
-                "stitched step: its graphs run as one XLA computation, in which the optimizer's graph "
-                "updates each parameter as soon as its gradient exists; the plan counts one gradient "
-                "and one update at a time, which holds when the step drops its gradients "
-                "(optimizer.zero_grad()) before the torch_xla.sync() that runs it, and counts the "
-                "rest as separate executables (XLA's schedule of the whole step may hold more)"
-            )
-        elif any(r.stitched for r in native):
-            notes.append(
-                "stitched graphs with no stitched optimizer graph after their backward: the plan "
-                "counts them as separate executables"
-            )
-        if any(r.backward_segments for r in records):
-            notes.append("backward segments: each segment counted as a backward of its own (approximate)")
-    forwards = sum(r.kind == "forward" for r in ordered)
-    if forwards > 1 and path != "xla" and not native_compat.reads_saved_tensors():
-        notes.append(
-            f"torch {native_compat.torch_version()} cannot read what eager autograd saved without "
-            "unpacking it (which could rerun a checkpointed region): the activations that eager code "
-            "between the graphs saves are not counted"
-        )
-    if forwards > 1:
-        notes.append(
-            f"the step's forward runs {forwards} compiled graphs (graph breaks): the code between them "
-            + ("runs in torch_xla's lazy mode, outside any compiled graph: " if path == "xla" else
-               "runs eagerly: ")
-            + "what it passes to a graph and what its own autograd saves for the "
-            f"backward are counted ({sum(eager_of.values()) / 1024:.1f} KiB, as activations held "
-            "until that graph's backward, seen on each graph's first call"
-            + (" and again once dynamo stopped compiling a function" if path == "xla" else "")
-            + "; none that saved-tensor hooks packed), its other allocations are not"
-            + (" (the lazy graphs torch_xla runs for it, and their temporaries)" if path == "xla" else "")
-        )
-    for function, limit in sorted(dynamo_compat.recompile_limit_hits().items()):
-        notes.append(
-            f"dynamo reached its {limit} for {function} and runs it eagerly from then on"
-            + (" (lazy torch_xla code): what it saves for the backward and passes to the next graph "
-               "is counted as the code between graph breaks is (above), what else it allocates "
-               "is not " if path == "xla" else
-               ": what it allocates and saves for the backward is in no compiled graph and not counted ")
-            + "(a function called with a new size each time reaches the limit where dynamic shapes are "
-            "off, as torch_xla turns them; raise torch._dynamo.config.recompile_limit, or give the "
-            "function fixed sizes)"
-        )
-    return MemoryPlan(
-        peak_bytes=peak,
-        resident_bytes=resident_bytes,
-        breakdown={c: b for c, b in breakdown.items()},
-        graphs=tuple(planned),
-        choices=_choices([r for r in records if r.path == path]),
-        path=path,
-        notes=tuple(notes),
+    facts = PlanFacts(
+        records=tuple(records), step=tuple(step), forwards=sum(r.kind == "forward" for r in ordered),
+        eager_bytes=sum(composed.eager_of.values()), stitched_step=bool(composed.consumers),
     )
+    return notes + list(path.plan_notes(facts))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanFacts:
+    """What a path's ``plan_notes`` knows of the step it is planned for."""
+
+    records: tuple  # every record given to the plan
+    step: tuple  # the records of the step planned
+    forwards: int  # forward graphs the step runs (more than one: graph breaks)
+    eager_bytes: int  # what code run eagerly between them saved for the backward, as counted
+    stitched_step: bool  # the plan counts a stitched step (one gradient and one update at a time)

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from . import dynamo_compat
 
@@ -40,12 +40,15 @@ class InputExclusion:
     reason: str
 
 
-@dataclasses.dataclass
-class GraphRecord:
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """What a graph compiled to: written by its path's compiler, once per build (a graph
+    built again for other settings, or with its memory predicted again, gets a new one)."""
+
     graph_id: int  # dynamo graph number, shared by its forward and backward
     kind: str  # forward, backward, inference
     device: str
-    path: str  # xla or native
+    path: str  # the ``paths.Path`` name: xla, native, jax
     num_inputs: int
     compile_seconds: float = 0.0
     # where compile_seconds went: (phase, seconds), e.g. XLA: donors, trace, plan, xla compile,
@@ -54,8 +57,8 @@ class GraphRecord:
     transfers_count: int = 0  # host-to-device transfers while compiling
     transfers_bytes: int = 0
     constants_uploaded: int = 0  # lifted tensor constants uploaded once
-    donated: list = dataclasses.field(default_factory=list)  # [InputDonation]
-    excluded: list = dataclasses.field(default_factory=list)  # [InputExclusion]
+    donated: tuple = ()  # InputDonation
+    excluded: tuple = ()  # InputExclusion
     donation_enabled: bool = True
     # native path
     saved_freed_early: Optional[int] = None
@@ -76,55 +79,123 @@ class GraphRecord:
     # XLA backward graphs run in segments (xla/segments.py): how many, and the bytes of
     # inputs (saved tensors, incoming gradients) released before the last segment runs
     backward_segments: int = 0
-    segments_choice: Optional[str] = None  # why it was split (automatic or by the switch)
     released_bytes: int = 0
-    # Memory plan inputs (``donate_backend.planner``): the graph's own allocations
-    # (native path: ``native.memory.GraphMemory``), the inputs a caller holds across
-    # steps as ``(role, storage, nbytes)``, and when the graph first ran among all graphs.
+    # the graph's own allocations, as its path predicts them (``graph_memory.GraphMemory``),
+    # and the path's estimator that made them (``native.memory``, ``xla.memory``): what the
+    # step's plan asks of the path (``plan_notes``, ``tensor_bytes``, ``workspace_bytes``)
     memory: Any = dataclasses.field(default=None, repr=False, compare=False)
-    held_inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
-    # the identities (as in ``held_inputs``) of the tensors its first call returned
-    returned: frozenset = dataclasses.field(default=frozenset(), repr=False, compare=False)
-    first_call: Optional[int] = None
-    last_call: Optional[int] = None  # when it last ran: graphs of a first step only (state made) drop out of the plan
-    tangent_bytes: Optional[int] = None  # native backward: bytes of the tangents its first call got
-    # native: the storages a graph's first call returned (weak references), and for a
-    # backward the bytes of its forward's outputs still alive when it first ran
-    output_storages: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
-    outputs_held: Optional[dict] = None  # graph id -> bytes of that forward's outputs still alive
-    tangents_passed_bytes: Optional[int] = None  # native backward: of its tangents, an earlier backward's outputs
-    budget_choice: Optional[str] = None  # forward: the activation budget a memory_limit chose
-    planned_peak: Optional[int] = None  # forward: the step peak predicted for that choice (bytes)
+    estimator: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # native graph with symbolic sizes: a weak reference to the compiled graph's method that
+    # replays its allocations at the sizes a call gave (``memory`` is at the traced sizes)
+    memory_at_sizes: Any = dataclasses.field(default=None, repr=False, compare=False)
     # XLA path: the lowered graph (``xla.lower.LoweredGraph``); ``lowered.traced`` is
     # the traced stage. Each prints itself with ``as_text()``.
     lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
-    # the settings chosen for its dynamo graph once its step ran (``choice.StepChoice``)
-    step_choice: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # the switch settings the build was made for (``config.cache_key()``): a graph built
+    # again for other settings (a lever timed against plain executables) has a record per
+    # build, and a step runs one of them
+    build_key: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+
+
+@dataclasses.dataclass
+class Runs:
+    """What the graph's calls showed: written by its path's run-time observer (the
+    compiled callable), read by the memory plan."""
+
+    # the inputs a caller holds across steps, as ``(role, identity, nbytes)``
+    held_inputs: tuple = dataclasses.field(default=(), repr=False)
+    # the identities (as in ``held_inputs``) of the tensors its first call returned
+    returned: frozenset = dataclasses.field(default=frozenset(), repr=False)
+    first_call: Optional[int] = None  # when it first ran among all graphs (the plan's order)
+    last_call: Optional[int] = None  # when it last ran: graphs of a first step only (state made) drop out of the plan
+    tangent_bytes: Optional[int] = None  # backward: bytes of the tangents its first call got
+    # the storages a graph's first call returned (weak references), and for a backward the
+    # bytes of each forward's outputs still alive when it first ran (graph id -> bytes)
+    output_storages: Optional[tuple] = dataclasses.field(default=None, repr=False)
+    outputs_held: Optional[dict] = None
+    tangents_passed_bytes: Optional[int] = None  # backward: of its tangents, an earlier backward's outputs
     # XLA forward: weak references to the parameters its first call read
-    parameter_refs: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    parameter_refs: tuple = dataclasses.field(default=(), repr=False)
     # XLA backward: bytes of its forward's parameters' gradients (``.grad``) after the
     # torch_xla.sync() that followed it (kept past it, a stitched step holds them all);
     # None until a sync ran after it
     gradients_at_sync: Optional[int] = None
-    # native graph with symbolic sizes: sizes (the ints its call log entries carry) -> its
-    # allocations replayed at those sizes (``memory`` is at the sizes it was traced with);
-    # a weak reference to the compiled graph's method, None where the graph has none
-    memory_at_sizes: Any = dataclasses.field(default=None, repr=False, compare=False)
     # native backward: bytes of what a call returned that were dropped by the time the next
     # backward ran (input gradients that code run eagerly between graph breaks consumed: a
     # mixture of experts' routing); None until a backward ran right after it
     # (``native.memory.DroppedOutputs``)
     outputs_dropped: Optional[int] = None
-    # native forward: ``(storage, bytes)`` of what eager code run before it saved for its
+    # forward: ``(identity, bytes)`` of what eager code run before it saved for its
     # backward, as its first call found them (``native.memory.eager_saved``)
-    eager_saved: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    eager_saved: tuple = dataclasses.field(default=(), repr=False)
     # XLA forward: how many functions dynamo had stopped compiling when ``eager_saved`` was
     # found (found again at the next call once that number grows: ``xla.memory.note_call``)
-    eager_saved_after_limits: int = dataclasses.field(default=0, repr=False, compare=False)
-    # the switch settings its build was made for (``config.cache_key()``): a graph built
-    # again for other settings (a lever timed against plain executables) has a record per
-    # build, and a step runs one of them
-    build_key: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+    eager_saved_after_limits: int = dataclasses.field(default=0, repr=False)
+
+
+@dataclasses.dataclass
+class Choices:
+    """What was decided for the graph: by the activation budget under a limit, the
+    automatic backward segments, and the step's levers."""
+
+    segments_choice: Optional[str] = None  # why its backward was split (automatic or by the switch)
+    budget_choice: Optional[str] = None  # forward: the activation budget a memory_limit chose
+    planned_peak: Optional[int] = None  # forward: the step peak predicted for that choice (bytes)
+    # the settings chosen for its dynamo graph once its step ran (``choice.StepChoice``)
+    step_choice: Any = dataclasses.field(default=None, repr=False)
+
+
+_PARTS = {f.name: part for part in ("build", "runs", "choices")
+          for f in dataclasses.fields({"build": Build, "runs": Runs, "choices": Choices}[part])}
+
+
+class GraphRecord:
+    """One record per compiled graph (per build): ``build`` (what it compiled to),
+    ``runs`` (what its calls showed) and ``choices`` (what was decided for it). Every
+    field reads as an attribute of the record (``record.donated``); it is written
+    through its part, each part by one owner (see each class)."""
+
+    __slots__ = ("build", "runs", "choices")
+
+    def __init__(self, graph_id: int, kind: str, device: str, path: str, num_inputs: int, **fields) -> None:
+        parts: Dict[str, dict] = {"build": {}, "runs": {}, "choices": {}}
+        for name, value in fields.items():
+            if name not in _PARTS:
+                raise TypeError(f"GraphRecord has no field {name!r}")
+            parts[_PARTS[name]][name] = tuple(value) if name in ("donated", "excluded") else value
+        object.__setattr__(self, "build", Build(graph_id, kind, device, path, num_inputs, **parts["build"]))
+        object.__setattr__(self, "runs", Runs(**parts["runs"]))
+        object.__setattr__(self, "choices", Choices(**parts["choices"]))
+
+    def __getattr__(self, name: str):
+        part = _PARTS.get(name)
+        if part is None:
+            raise AttributeError(f"GraphRecord has no field {name!r}")
+        return getattr(object.__getattribute__(self, part), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "build":
+            object.__setattr__(self, name, value)
+            return
+        raise AttributeError(
+            f"GraphRecord.{name} is written through its part: record.{_PARTS.get(name, 'build')}"
+            f".{name} (runs, choices), or record.rebuilt({name}=...) for what the graph compiled to"
+        )
+
+    def rebuilt(self, **changes) -> None:
+        """What the graph compiled to, changed (its path's compiler, after a build)."""
+        object.__setattr__(self, "build", dataclasses.replace(self.build, **changes))
+
+    def replaced(self, **changes) -> "GraphRecord":
+        """A copy with ``changes`` (the memory plan's view of one call of the graph)."""
+        copy = object.__new__(GraphRecord)
+        parts = {"build": self.build, "runs": dataclasses.replace(self.runs),
+                 "choices": dataclasses.replace(self.choices)}
+        for name, value in changes.items():
+            parts[_PARTS[name]] = dataclasses.replace(parts[_PARTS[name]], **{name: value})
+        for part, value in parts.items():
+            object.__setattr__(copy, part, value)
+        return copy
 
     @property
     def name(self) -> str:
@@ -133,6 +204,9 @@ class GraphRecord:
     @property
     def donated_bytes(self) -> int:
         return sum(d.nbytes for d in self.donated)
+
+    def __repr__(self) -> str:
+        return f"GraphRecord({self.build!r})"
 
 
 _lock = threading.Lock()
@@ -154,14 +228,14 @@ def call_key(record: GraphRecord) -> tuple:
 def mark_first_call(record: GraphRecord, sizes: Optional[tuple] = None) -> None:
     """Note when ``record``'s graph first ran, among all graphs (the memory plan's order)."""
     if record.first_call is None:
-        record.first_call = record.last_call = next(_calls)
+        record.runs.first_call = record.runs.last_call = next(_calls)
         _call_log.append((record.last_call, call_key(record), sizes))
 
 
 def mark_call(record: GraphRecord, sizes: Optional[tuple] = None) -> None:
     """Note that ``record``'s graph runs now (the plan's step is the graphs of the last one),
     and ``sizes``, the values of its symbolic sizes in this call."""
-    record.last_call = next(_calls)
+    record.runs.last_call = next(_calls)
     _call_log.append((record.last_call, call_key(record), sizes))
 
 

@@ -237,7 +237,7 @@ def test_compile_time_is_split_into_phases():
         assert [name for name, _ in r.phases] == ["build", "memory prediction"]
         assert r.compile_seconds == pytest.approx(sum(s for _, s in r.phases))
     split = donate_backend.compile_phases()
-    assert split.dynamo > 0 and split.aot_autograd > 0 and split.backend >= 0
+    assert split.dynamo > 0 and split.aot_autograd > 0 and split.backend > 0  # roles, capture: some work
     assert split.graphs["build"] == pytest.approx(sum(dict(r.phases)["build"] for r in records))
     assert "aot_autograd" in split.as_text() and "memory prediction" in split.as_text()
 
@@ -246,7 +246,7 @@ def test_a_segments_context_names_its_part_and_carries_nothing_of_the_whole_grap
     """A part of a graph compiled on its own (a backward segment, an XLA segment around
     CPU ops, or such a segment of a segment) is named after its graph and its place, and
     carries no input roles or captured data: those describe the whole graph's inputs."""
-    from donate_backend.backend import GraphContext
+    from donate_backend.graphs import GraphContext
 
     whole = GraphContext(3, "backward", input_roles=("parameter", "other"), captured=object())
     part = whole.for_segment(2)

@@ -14,7 +14,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import donate_backend
-from donate_backend import config
+from donate_backend import config, graph_memory
 from donate_backend.native import compat, memory, workspace
 from memtrack import profiler_peak_bytes
 from real_models import MODELS, available
@@ -636,7 +636,13 @@ def test_a_limits_prediction_keeps_the_weights_the_backward_reads_resident(monke
     run = torch.compile(lambda x: model(x).square().mean(), backend="donate_xla", options={"memory_limit": "1GiB"})
     run(torch.randn(64, 512)).backward()
     ((peak, parts),) = predicted
-    assert parts[memory.ACTIVATIONS] >= 0
+    batch = 64 * 512 * 4
+    # at the backward's end: the weights and the batch still resident, every saved
+    # activation released (none below zero: no weight subtracted), each gradient made, and
+    # the loss's 4-byte tangent
+    assert parts[memory.INPUTS] == params + batch
+    assert parts[memory.ACTIVATIONS] == 0
+    assert parts[memory.GRADIENTS] == params + 4
     assert peak >= 2 * params  # the parameters, and their gradients at the backward's end
 
 
@@ -674,10 +680,10 @@ def test_size_hint_reads_a_symbolic_size_without_guarding_on_it(monkeypatch):
 
     env = ShapeEnv()
     size = env.create_symintnode(env.create_symbol(7, ConstantSource("n")), hint=7)
-    assert compat.size_hint(size * 4) == 28 and compat.size_hint(5) == 5
+    assert graph_memory.size_hint(size * 4) == 28 and graph_memory.size_hint(5) == 5
     assert len(env.guards) == 0  # int(size) would have specialised the graph to n == 7
     monkeypatch.setattr(type(size.node), "hint", property(lambda self: None))
-    assert compat.size_hint(size) is None  # no hint (a data-dependent size): unknown
+    assert graph_memory.size_hint(size) is None  # no hint (a data-dependent size): unknown
 
 
 def test_a_limit_on_a_graph_with_symbolic_sizes_warns_instead_of_planning_again():

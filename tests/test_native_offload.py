@@ -151,7 +151,7 @@ def _as_on_a_device(monkeypatch):
     (what ``native.memory`` does for a graph on CUDA), for the CPU graphs here: torch's
     offloaded copies (``cpu_offload_*``) count no bytes, in each candidate's prediction and in
     the step's plan. Returns the candidates predicted, as (label, peak) pairs."""
-    from donate_backend import budget
+    from donate_backend import budget, graph_meta
     from donate_backend.native import memory
 
     predicted = []
@@ -159,7 +159,7 @@ def _as_on_a_device(monkeypatch):
 
     def predict_step(fw_module, bw_module, forward_returns=None):
         peak, parts = predict(fw_module, bw_module, forward_returns)
-        share = bw_module.meta[budget.SHARE_META]
+        share = bw_module.meta[graph_meta.BUDGET_SHARE]
         predicted.append((f"{share:g}{budget.OFFLOADED if _device_puts_of(fw_module) else ''}", peak))
         return peak, parts
 
@@ -180,7 +180,8 @@ def test_under_a_memory_limit_offloading_comes_before_recomputation(monkeypatch)
     from donate_backend.native import offload
 
     unset = lambda joint: config.current().offload_saved is None  # noqa: E731 (as ``lever`` on CUDA)
-    monkeypatch.setattr(offload, "lever", lambda joint: offload.partition_offloading if unset(joint) else None)
+    monkeypatch.setattr(type(offload.lever), "__call__",
+                        lambda self, joint: offload.partition_offloading if unset(joint) else None)
     predicted = _as_on_a_device(monkeypatch)
     eager_model = _mlp()
     expected = _train(eager_model, eager_model)

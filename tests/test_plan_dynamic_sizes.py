@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import donate_backend
-from donate_backend import report
-from donate_backend.native import compat
+from donate_backend import graph_memory, report
 from memtrack import profiler_peak_bytes
 
 TOLERANCE = 0.10
@@ -139,8 +138,8 @@ def test_size_hint_reads_a_symbolic_size_at_the_sizes_bound():
     env = ShapeEnv()
     n = env.create_symintnode(env.create_symbol(7, ConstantSource("n")), hint=7)
     m = env.create_symintnode(env.create_symbol(3, ConstantSource("m")), hint=3)
-    with compat.sizes_bound({n.node.expr: 11}):
-        assert compat.size_hint(n * 4) == 44
-        assert compat.size_hint(n * m) == 21  # m not bound: the whole size at its hint
-    assert compat.size_hint(n * 4) == 28  # outside: the hint
+    with graph_memory.sizes_bound({n.node.expr: 11}):
+        assert graph_memory.size_hint(n * 4) == 44
+        assert graph_memory.size_hint(n * m) == 21  # m not bound: the whole size at its hint
+    assert graph_memory.size_hint(n * 4) == 28  # outside: the hint
     assert len(env.guards) == 0

@@ -212,9 +212,21 @@ def test_functionalization_switch_is_read_as_torch_xla_reads_it(monkeypatch, raw
 
 
 def test_without_the_eager_mode_binding_lazy_mode_does_nothing(xla_device, monkeypatch):
-    monkeypatch.delattr(torch_xla._XLAC, "_get_use_eager_mode")
+    """Without the binding that reads torch_xla's eager mode, ``lazy_mode`` sets nothing
+    (no eager mode to turn off) and runs its block; with it, eager mode is off inside and
+    back on after."""
+    calls = []
+    monkeypatch.setattr(torch_xla._XLAC, "_set_use_eager_mode", lambda on: calls.append(on), raising=False)
+    monkeypatch.setattr(torch_xla._XLAC, "_get_use_eager_mode", lambda: True, raising=False)
     with compat.lazy_mode():
-        pass
+        assert calls == [False]
+    assert calls == [False, True]
+    calls.clear()
+    monkeypatch.delattr(torch_xla._XLAC, "_get_use_eager_mode")
+    ran = []
+    with compat.lazy_mode():
+        ran.append(True)
+    assert ran == [True] and calls == []
 
 
 @pytest.mark.parametrize("stitch", [False, True])

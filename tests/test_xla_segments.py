@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import donate_backend
 from donate_backend import config
-from donate_backend.backend import GraphContext
+from donate_backend.graphs import GraphContext
 from donate_backend.xla import fallback, segments
 from live_growth import live_growth
 from xla_capture import normalize_fx

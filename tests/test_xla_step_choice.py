@@ -1,4 +1,4 @@
-"""The stitched step chosen by default (donate_backend/choice.py): where a step's plan
+"""The stitched step chosen by default (donate_backend/choice.py, xla/levers.py): where a step's plan
 says stitching saves enough, once two steps ran and a sync saw the gradients dropped;
 values equal eager's before and after the switch; never where the program keeps its
 gradients, sets the switch, never syncs, or where the saving is small."""
@@ -18,6 +18,7 @@ import torch_xla  # noqa: E402
 
 import donate_backend  # noqa: E402
 from donate_backend import choice  # noqa: E402
+from donate_backend.xla import levers  # noqa: E402
 from xla_models import squared_mean_step  # noqa: E402
 
 MIB = 2**20
@@ -96,7 +97,7 @@ def test_a_gradient_bound_step_is_stitched_after_two_steps_with_eager_values(xla
     assert "stitched step" in chosen
     planned_stitched, planned_separate = (float(v) for v in re.findall(r"([\d.]+) MiB", chosen)[:2])
     # (the text rounds each to 0.1 MiB)
-    assert planned_separate - planned_stitched >= choice.MIN_SAVING_BYTES / MIB - 0.1
+    assert planned_separate - planned_stitched >= levers.MIN_SAVING_BYTES / MIB - 0.1
     # the plan of the step as it now runs: one gradient of 4 MiB at a time, not 24
     assert plan.breakdown["gradients"] <= 4 * MIB + 64
     assert plan.peak_bytes <= planned_stitched * MIB + MIB
@@ -123,7 +124,7 @@ def test_gradients_kept_past_the_sync_keep_the_step_separate(xla_device):
 def test_no_stitching_when_set_off_unseen_or_not_worth_it(xla_device, how):
     """``options={'stitch': False}`` keeps a step separate; so does a loop that never
     syncs (no sync ever shows the gradients dropped) and a step whose saving is under
-    ``choice.MIN_SAVING_BYTES`` (six Linear(256) layers: 1.5 MiB of gradients)."""
+    ``levers.MIN_SAVING_BYTES`` (six Linear(256) layers: 1.5 MiB of gradients)."""
     runs = _train(
         256 if how == "small" else 1024,
         options={"stitch": False} if how == "option" else None,
@@ -262,7 +263,7 @@ def test_a_step_with_convolutions_is_not_stitched_by_default(xla_device):
     stitched = planner.memory_plan(records, workspaces=False, as_stitched=True)
     # what the plan alone would have chosen
     saving = separate.peak_bytes - stitched.peak_bytes
-    assert saving >= max(choice.MIN_SAVING_BYTES, choice.MIN_SAVING_SHARE * separate.growth_bytes)
+    assert saving >= max(levers.MIN_SAVING_BYTES, levers.MIN_SAVING_SHARE * separate.growth_bytes)
 
 
 class _Clock:
@@ -289,8 +290,8 @@ def _timed_training(monkeypatch, seconds: dict, steps: int):
     clock = _Clock(seconds)
     started = choice._start_trial
 
-    def start(graph_id, step, choices):
-        note = started(graph_id, step, choices)
+    def start(graph_id, step, choices, *rest):
+        note = started(graph_id, step, choices, *rest)
         trial = choices[0].trial
         if trial is not None:
             trial.clock, trial.wait, clock.trial = clock, clock.wait, trial
@@ -315,7 +316,7 @@ def test_the_lever_is_timed_against_plain_executables_and_kept_only_if_not_slowe
     records = [r for r in donate_backend.reports() if r.path == "xla" and r.kind == "forward"]
     chosen = records[-1].step_choice
     assert chosen.trial is None and chosen.decided
-    assert chosen.overrides == ((("stitch", True),) if kept else choice.PLAIN)
+    assert chosen.overrides == ((("stitch", True),) if kept else levers.PLAIN)
     plan = donate_backend.memory_plan()
     (note,) = [c for c in plan.choices if "timed after the choice" in c]
     assert ("kept" in note) == kept, note
@@ -331,8 +332,8 @@ def test_the_trial_waits_for_the_device_only_at_its_timed_steps(xla_device, monk
     waits = []
     started = choice._start_trial
 
-    def start(graph_id, step, choices):
-        note = started(graph_id, step, choices)
+    def start(graph_id, step, choices, *rest):
+        note = started(graph_id, step, choices, *rest)
         if choices[0].trial is not None:
             choices[0].trial.wait = lambda: waits.append(choices[0].trial.position if choices[0].trial else None)
         return note

@@ -250,6 +250,7 @@ def test_each_weights_gradient_waits_for_the_backward_ops_that_read_the_weight()
     import expecttest
     from functorch.compile import aot_function, min_cut_rematerialization_partition
 
+    from donate_backend import graph_meta
     from donate_backend.xla import update_order
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
@@ -275,7 +276,7 @@ def test_each_weights_gradient_waits_for_the_backward_ops_that_read_the_weight()
         return f"{n.name} = {n.target.__name__}({', '.join(str(a) for a in n.args)})"
 
     expecttest.assert_expected_inline(
-        f"input gradients: {bw.meta[update_order.INPUT_GRADS_META]}\n"
+        f"input gradients: {bw.meta[graph_meta.INPUT_GRADS]}\n"
         + "\n".join(f"{op(producer)} waits for {', '.join(op(r) for r in readers)}" for producer, readers in gates.items()),
         """\
 input gradients: {'t_2': 3}

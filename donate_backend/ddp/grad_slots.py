@@ -79,7 +79,7 @@ def rewrite_backward(gm: torch.fx.GraphModule, targets, binding, name: str, tens
     with graph.inserting_after(graph_node):
         call_node = graph.call_function(begin, (graph_node,))
     header_end = call_node
-    routed, out_variants = [], 0
+    routed = []
     for position, edge, param_index in targets:
         grad_node = outputs[position]
         attr = f"_donate_ddp_writer_{position}"
@@ -94,12 +94,10 @@ def rewrite_backward(gm: torch.fx.GraphModule, targets, binding, name: str, tens
         producer = _mm_producer(grad_node, {output_node, outputs[position]})
         if producer is not None:
             _compute_into_slot(graph, producer, writer_node, call_node)
-            out_variants += 1
         routed.append(param_index)
     output_node.args = (tuple(outputs),) + tuple(output_node.args[1:])
     graph.lint()
     gm.recompile()
-    gm.meta["donate_ddp_out_variants"] = out_variants
     return routed
 
 

@@ -49,8 +49,10 @@ def aot_options() -> dict:
     if "partition_fn" in options:
         from . import offload
 
+        from .memory import predict_step
+
         options["partition_fn"] = functools.partial(
-            budget.partition, options["partition_fn"], fit=True, offload=offload.lever
+            budget.partition, options["partition_fn"], fit=True, predict_step=predict_step, offload=offload.lever
         )
         if config.current().offload_saved:  # torch's own activation offloading (``offload``)
             options["partition_fn"] = offload.partition_offloading(options["partition_fn"])

@@ -15,12 +15,6 @@ directly. Every guard has a test that removes the API by monkeypatching
   compiled go to the caller (``fw_metadata.num_forward_returns``); the rest
   are saved for the backward. ``None`` when unknown: the memory replay then
   counts every forward output as the caller's.
-- ``size_hint(value)``: the int a symbolic size had when traced, read from its
-  ``SymNode.hint`` without installing a guard (``int(symint)`` would
-  specialise the graph to that size and recompile for every other one); None
-  for a size with no hint (data-dependent). Inside ``sizes_bound(binding)``,
-  the size's ``SymNode.expr`` with the graph's symbols replaced by the ints a
-  call gave them, where that leaves a number (else the hint).
 - ``allocation_peak_bytes(fn, device)``: the most bytes allocated above the
   starting level while ``fn`` runs. CUDA: the allocator's public statistics.
   CPU: the profiler's allocation events, read from its kineto results (no
@@ -65,7 +59,6 @@ directly. Every guard has a test that removes the API by monkeypatching
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Callable, List, Optional
 
 import torch
@@ -289,49 +282,6 @@ def allocation_peak_bytes(fn: Callable[[], object], device) -> Optional[int]:
         level += nbytes
         peak = max(peak, level)
     return peak
-
-
-_bound_sizes: contextvars.ContextVar = contextvars.ContextVar("donate_xla_bound_sizes", default=None)
-
-
-@contextlib.contextmanager
-def sizes_bound(binding: dict):
-    """``size_hint`` reads symbolic sizes at ``binding`` (sympy symbol -> int) inside."""
-    token = _bound_sizes.set(binding)
-    try:
-        yield
-    finally:
-        _bound_sizes.reset(token)
-
-
-def size_hint(value) -> Optional[int]:
-    """A size as an int, without guarding on it (see above)."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, torch.SymInt):
-        node = getattr(value, "node", None)
-        binding = _bound_sizes.get()
-        if binding:
-            bound = _evaluated(getattr(node, "expr", None), binding)
-            if bound is not None:
-                return bound
-        hint = getattr(node, "hint", None)
-        return int(hint) if isinstance(hint, int) else None
-    return None
-
-
-def _evaluated(expr, binding: dict) -> Optional[int]:
-    """``expr`` (sympy) with ``binding`` substituted, as an int; None where a symbol is
-    left or sympy cannot evaluate it."""
-    if expr is None:
-        return None
-    try:
-        value = expr.xreplace(binding)
-        return int(value) if value.is_number else None
-    except (TypeError, ValueError, AttributeError):
-        return None
 
 
 def torch_version() -> str:

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .. import budget, builds, config, ddp, report
+from .. import budget, builds, config, ddp, graph_memory, graph_meta, report
 from . import compat, executor, memory
 from .capture import input_storages, returned_storages
 
@@ -79,16 +79,17 @@ class CompiledGraph:
             path="native",
             num_inputs=len(example_inputs),
             held_inputs=_held_inputs(ctx) if ctx.kind != "backward" else (),
-            budget_choice=gm.meta.get(budget.CHOICE_META),
-            planned_peak=gm.meta.get(budget.PLANNED_PEAK_META),
+            estimator=memory,
+            budget_choice=gm.meta.get(graph_meta.BUDGET_CHOICE),
+            planned_peak=gm.meta.get(graph_meta.PLANNED_PEAK),
             phases=budget.plan_phase(gm),
         )
-        self.record.compile_seconds = sum(s for _, s in self.record.phases)
+        self.record.rebuilt(compile_seconds=sum(s for _, s in self.record.phases))
         # a graph with symbolic sizes: where each call's arguments give them (the memory
         # plan replays a call at its own sizes: ``memory_at_sizes``)
         self._size_sources = memory.size_sources(gm.graph)
         if self._size_sources:
-            self.record.memory_at_sizes = weakref.WeakMethod(self.memory_at_sizes)
+            self.record.rebuilt(memory_at_sizes=weakref.WeakMethod(self.memory_at_sizes))
         self._builds = builds.BuildsPerSetting(self._build)
         self._current: Optional[executor.Built] = None
         self._current_build()  # for the settings in force: built now, inside aot_autograd
@@ -109,11 +110,10 @@ class CompiledGraph:
         built = self._builds.current()
         if built is not self._current:
             self._current = built
-            self.record.saved_freed_early = built.saved_freed_early
-            self.record.buffers_reused = built.buffers_reused
-            self.record.bucket_grads = built.bucket_grads
-            self.record.bucket_bytes = built.bucket_bytes
-            self.record.memory = built.memory
+            self.record.rebuilt(
+                saved_freed_early=built.saved_freed_early, buffers_reused=built.buffers_reused,
+                bucket_grads=built.bucket_grads, bucket_bytes=built.bucket_bytes, memory=built.memory,
+            )
         return built
 
     @property
@@ -144,7 +144,7 @@ class CompiledGraph:
         built = self.built
         if sizes not in built.memory_at_sizes:
             binding = {symbol: value for (_, _, symbol), value in zip(self._size_sources, sizes)}
-            with compat.sizes_bound(binding):
+            with graph_memory.sizes_bound(binding):
                 built.memory_at_sizes[sizes] = built.predict() if built.predict is not None else None
         return built.memory_at_sizes[sizes]
 
@@ -159,22 +159,22 @@ class CompiledGraph:
         report.mark_first_call(self.record, sizes)
         predicted = self.record.memory
         if self.ctx.kind == "backward" and predicted is not None:
-            self.record.tangent_bytes = memory.tangent_bytes_of(args, predicted.tangent_indices)
+            self.record.runs.tangent_bytes = memory.tangent_bytes_of(args, predicted.tangent_indices)
             earlier = [r for r in report.reports() if r.kind == "backward" and r.output_storages]
-            self.record.tangents_passed_bytes = memory.passed_tangent_bytes(
+            self.record.runs.tangents_passed_bytes = memory.passed_tangent_bytes(
                 args, predicted.tangent_indices, [r.output_storages for r in earlier]
             )
-            self.record.outputs_held = memory.outputs_held(report.reports())
+            self.record.runs.outputs_held = graph_memory.outputs_held(report.reports())
         if self.ctx.kind == "forward":
-            self.record.eager_saved = memory.eager_saved(args)
+            self.record.runs.eager_saved = memory.eager_saved(args)
         # the run empties ``args`` (boxed calling convention, so that a backward can free
         # what it was given): note the inputs' storages first, holding no tensor
         inputs = input_storages(args, self.ctx.captured) if self.ctx.kind != "backward" else None
         result = self.built.run(args)
         if inputs is not None:
-            self.record.returned = returned_storages(inputs, result)
+            self.record.runs.returned = returned_storages(inputs, result)
         if self.ctx.kind == "forward" and self._forward_returns is not None:
-            self.record.output_storages = memory.storage_refs(result[: self._forward_returns])
+            self.record.runs.output_storages = memory.storage_refs(result[: self._forward_returns])
         # a backward's output storages: noted by ``memory.dropped_outputs.returned``
         return result
 
@@ -189,7 +189,8 @@ class CompiledGraph:
         held = memory.held_until_return(tangents)
         if held != self._tangents_held:  # replayed again with those tangents live to the end
             self._tangents_held = held
-            self.built.memory = self.record.memory = self.built.predict()
+            self.built.memory = self.built.predict()
+            self.record.rebuilt(memory=self.built.memory)
             self.built.memory_at_sizes.clear()
         return result
 
@@ -211,9 +212,10 @@ class CompiledGraph:
         built.memory = self._predict_memory(prepared.gm, settings, self._tangents_held)
         built.predict = lambda: self._predict_memory(prepared.gm, settings, self._tangents_held)
         finished = time.perf_counter()
-        self.record.compile_seconds += finished - started
-        self.record.phases = _added(
-            self.record.phases, (("build", predicted_at - started), ("memory prediction", finished - predicted_at))
+        self.record.rebuilt(
+            compile_seconds=self.record.compile_seconds + finished - started,
+            phases=_added(self.record.phases, (("build", predicted_at - started),
+                                               ("memory prediction", finished - predicted_at))),
         )
         return built
 

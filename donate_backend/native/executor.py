@@ -40,7 +40,7 @@ class Built:
     source: Optional[str] = None  # generated Python (aten executor)
     bucket_grads: Optional[int] = None  # gradients written into DDP buckets (ddp.prepare)
     bucket_bytes: Optional[int] = None
-    memory: object = None  # its allocations replayed on fake tensors (``memory.GraphMemory``)
+    memory: object = None  # its allocations replayed on fake tensors (``graph_memory.GraphMemory``)
     # a graph with symbolic sizes: the replay again (``compiled.CompiledGraph.memory_at_sizes``)
     predict: Optional[Callable] = None
     memory_at_sizes: dict = dataclasses.field(default_factory=dict)

@@ -33,64 +33,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 from typing import Collection, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_leaves
 
+from .. import graph_memory
 from ..analysis import liveness
 from ..analysis.aliasing import storage_address, storage_key
+from ..graph_memory import (
+    ACTIVATIONS, GRADIENTS, INPUTS, TEMPORARIES, GraphMemory, held_between_steps, held_bytes, passed_outputs,
+)
+from ..graph_memory import node_tensors as _tensors
 from . import workspace
-
-# Categories of bytes (shared with ``donate_backend.planner``).
-PARAMETERS = "parameters"
-BUFFERS = "buffers"
-OPTIMIZER_STATE = "optimizer state"
-INPUTS = "inputs"
-GRADIENTS = "gradients"
-ACTIVATIONS = "activations"  # saved by a forward for its backward
-OUTPUTS = "outputs"  # what a forward returns to the caller
-TEMPORARIES = "temporaries"
-WORKSPACE = "kernel workspace"  # scratch memory inside a kernel (``workspace``)
-
-
-@dataclasses.dataclass(frozen=True)
-class GraphMemory:
-    """What one graph allocates and frees when it runs (bytes, relative to its call)."""
-
-    name: str  # "graph 0 forward"
-    kind: str
-    peak_bytes: int  # most bytes above the level at the call, at any node
-    end_bytes: int  # level at return minus level at the call (outputs kept, inputs released)
-    peak_parts: Tuple[Tuple[str, int], ...]  # (category, bytes) at the peak; released inputs negative
-    end_parts: Tuple[Tuple[str, int], ...]  # (category, bytes) at return
-    peak_node: str  # the node at which the peak is reached
-    released_input_bytes: int = 0  # inputs let go before return
-    # A backward: its tangents (made by the caller just before it runs: the loss's ones,
-    # zeros for outputs that got no gradient, or a later graph's input gradients), and the
-    # gradients it returns for inputs that are not parameters (an earlier graph's tangents).
-    tangent_bytes: int = 0
-    passed_grad_bytes: int = 0
-    tangent_indices: Tuple[int, ...] = ()  # which arguments are tangents
-    # Ops that may use a kernel workspace: (level right after the op's result is made,
-    # bytes by category then, ``workspace.OpCall``); the plan measures the workspaces.
-    workspace_points: Tuple[tuple, ...] = ()
-    # The largest single output (XLA: a stitched step's backward holds one gradient at a
-    # time, each consumed by its update as it is made; ``planner``).
-    largest_output_bytes: int = 0
-    # The largest new value written into an input (XLA: in a stitched step an update's
-    # new value may take a buffer of its own while the old one is still read; ``planner``).
-    largest_written_bytes: int = 0
-
-    def as_text(self) -> str:
-        parts = ", ".join(f"{c} {b / 2**20:.1f}" for c, b in self.peak_parts if b)
-        return (
-            f"{self.name}: peak +{self.peak_bytes / 2**20:.1f} MiB at {self.peak_node} ({parts}); "
-            f"after it {self.end_bytes / 2**20:+.1f} MiB"
-        )
-
 
 # Devices whose tensors are counted in CUDA's allocator blocks: CUDA, and the meta
 # device, on which a step is traced to plan it for a GPU it does not run on.
@@ -126,23 +81,16 @@ def _device_bytes_of(*graphs: torch.fx.Graph):
 def nbytes(value: torch.Tensor) -> int:
     """Bytes of the storage behind ``value`` (symbolic sizes at their hint); on CUDA,
     the allocator's block; 0 for a host tensor in a graph on a device (above)."""
-    from . import compat
-
     if value.device.type == "cpu" and _host_bytes_free.get():
         return 0
     try:
         size = value.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
         size = value.numel() * value.element_size()
-    size = compat.size_hint(size)  # never int(): that would guard on a symbolic size
+    size = graph_memory.size_hint(size)  # never int(): that would guard on a symbolic size
     if size is None:  # a data-dependent size
         return 0
     return cuda_block_bytes(size) if value.device.type in _BLOCK_DEVICES else size
-
-
-def _tensors(node: torch.fx.Node) -> List[torch.Tensor]:
-    val = node.meta.get("val") if hasattr(node, "meta") else None
-    return [v for v in tree_leaves(val) if isinstance(v, torch.Tensor) and v.layout == torch.strided]
 
 
 def _keys(node: torch.fx.Node) -> List[Tuple[object, int]]:
@@ -226,12 +174,7 @@ def _replay(
     for index, value in enumerate(out_values):
         if not isinstance(value, torch.fx.Node):
             continue
-        if kind == "backward":
-            category = GRADIENTS
-        elif kind == "forward" and saved_outputs_from is not None and index >= saved_outputs_from:
-            category = ACTIVATIONS
-        else:
-            category = OUTPUTS
+        category = graph_memory.output_category(kind, index, saved_outputs_from)
         for key, size in _keys(value):
             returned.setdefault(key, category)
             if kind == "backward" and index in passed_outputs:
@@ -381,15 +324,6 @@ def tangent_bytes_of(args: Sequence, indices: Sequence[int]) -> int:
     return sum(size for _, size in storage_refs([args[i] for i in indices if i < len(args)]))
 
 
-def held_between_steps(value: torch.Tensor) -> bool:
-    """A parameter, a leaf that requires grad, or a view of one (weights tied in eager
-    code): resident, not made by the step."""
-    for tensor in (value, value._base):
-        if tensor is not None and (isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad)):
-            return True
-    return False
-
-
 def eager_saved(args: Sequence) -> Tuple[Tuple[object, int], ...]:
     """``(storage, bytes)`` of what code run eagerly before a forward made in the step and
     holds into the backward (an encoder's convolutions between graph breaks): the tensors
@@ -463,11 +397,6 @@ def passed_tangent_bytes(args: Sequence, indices: Sequence[int], earlier: Sequen
     return sum(size for ref, size in tangents if ref in alive)
 
 
-def held_bytes(refs: tuple) -> int:
-    """Bytes of the storages in ``refs`` (``storage_refs``) that are still alive."""
-    return sum(size for ref, size in refs if not ref.expired())
-
-
 class DroppedOutputs:
     """Watches what a backward returned until the next graph runs: if that is a backward
     (the same backward pass), the bytes of the outputs dropped in between are noted in
@@ -481,7 +410,7 @@ class DroppedOutputs:
     def returned(self, record, outputs: Sequence) -> None:
         """``record``'s backward returned ``outputs`` (call after it ran)."""
         if record.outputs_dropped is None:
-            record.output_storages = storage_refs(outputs)
+            record.runs.output_storages = storage_refs(outputs)
             self._record = record
 
     def next_call(self, kind: str) -> None:
@@ -492,35 +421,13 @@ class DroppedOutputs:
         if record is None or record.output_storages is None:
             return
         if kind != "backward":
-            record.outputs_dropped = 0
+            record.runs.outputs_dropped = 0
             return
-        record.outputs_dropped = sum(size for _, size in record.output_storages) - held_bytes(
+        record.runs.outputs_dropped = sum(size for _, size in record.output_storages) - held_bytes(
             record.output_storages)
 
 
 dropped_outputs = DroppedOutputs()
-
-
-def outputs_held(records) -> dict:
-    """Graph id -> bytes of that forward's outputs still alive, for each forward record in
-    ``records`` that noted its outputs' storages (``GraphRecord.output_storages``)."""
-    return {
-        r.graph_id: held_bytes(r.output_storages)
-        for r in records
-        if r.kind == "forward" and r.output_storages is not None
-    }
-
-
-def passed_outputs(graph: torch.fx.Graph, kind: str, input_roles: Sequence[str]) -> List[int]:
-    """In a backward, the outputs that are gradients of inputs that are not parameters or
-    state (``input_roles``: the forward's inputs): an earlier graph's backward takes them
-    as its tangents (graph breaks). Empty where the outputs do not line up with the inputs."""
-    if kind != "backward" or not input_roles:
-        return []
-    outputs = graph.output_node().args[0]
-    if not isinstance(outputs, (list, tuple)) or len(outputs) != len(input_roles):
-        return []  # the outputs do not line up with the inputs: count all as gradients
-    return [i for i, role in enumerate(input_roles) if role == "other"]
 
 
 def predict_step(
@@ -563,3 +470,50 @@ def _predict_step(fw_module, bw_module, forward_returns):
         for category, size in forward.end_parts + backward.peak_parts + ((GRADIENTS, backward.tangent_bytes),):
             parts[category] = parts.get(category, 0) + size
     return peak, parts
+
+
+def tensor_bytes(value: torch.Tensor) -> int:
+    """Bytes a tensor takes on its device (``nbytes``), for the step's plan."""
+    return nbytes(value)
+
+
+def workspace_bytes(call) -> int:
+    """Scratch memory a kernel takes while it runs (``workspace``), for the step's plan."""
+    return workspace.workspace_bytes(call)
+
+
+def plan_notes(facts) -> list:
+    """What a memory plan of a native step cannot see (``planner.PlanFacts``), as sentences."""
+    from .. import dynamo_compat
+    from . import compat
+
+    notes = []
+    if any(r.device == "meta" for r in facts.step):
+        notes.append(
+            "planned on the meta device: sizes counted in CUDA's 512-byte blocks; no kernel ran, so "
+            "kernel workspaces (convolutions, fused attention, cuBLAS) and memory an allocator caches "
+            "are not counted, and ops take their meta form (scaled_dot_product_attention its math "
+            "form, which saves the attention weights CUDA's fused kernels do not)"
+        )
+    if facts.forwards > 1 and not compat.reads_saved_tensors():
+        notes.append(
+            f"torch {compat.torch_version()} cannot read what eager autograd saved without "
+            "unpacking it (which could rerun a checkpointed region): the activations that eager code "
+            "between the graphs saves are not counted"
+        )
+    if facts.forwards > 1:
+        notes.append(
+            f"the step's forward runs {facts.forwards} compiled graphs (graph breaks): the code between "
+            "them runs eagerly: what it passes to a graph and what its own autograd saves for the "
+            f"backward are counted ({facts.eager_bytes / 1024:.1f} KiB, as activations held until that "
+            "graph's backward, seen on each graph's first call; none that saved-tensor hooks packed), "
+            "its other allocations are not"
+        )
+    for function, limit in sorted(dynamo_compat.recompile_limit_hits().items()):
+        notes.append(
+            f"dynamo reached its {limit} for {function} and runs it eagerly from then on: what it "
+            "allocates and saves for the backward is in no compiled graph and not counted (a function "
+            "called with a new size each time reaches the limit where dynamic shapes are off; raise "
+            "torch._dynamo.config.recompile_limit, or give the function fixed sizes)"
+        )
+    return notes

@@ -102,15 +102,26 @@ def partition_offloading(partition_fn: Callable) -> Callable:
     return partition
 
 
-def lever(joint: torch.fx.GraphModule) -> Optional[Callable]:
-    """``partition_offloading`` where a memory limit may offload the saved activations of
-    ``joint``: ``offload_saved`` unset, the graph on CUDA (or on the meta device, planning
-    for one), and a torch that offloads. Else None (see the module docstring)."""
-    if config.current().offload_saved is not None or not (_on_cuda(joint) or _on(joint, "meta")):
-        return None
-    if compat.activation_offloading(on_cuda=True) is None:
-        return None
-    return partition_offloading
+class _Lever:
+    """The offload lever a memory limit tries (``budget.partition(offload=lever)``):
+    ``lever(joint)`` is ``partition_offloading`` where a memory limit may offload the saved
+    activations of ``joint`` (``offload_saved`` unset, the graph on CUDA or on the meta
+    device, planning for one, and a torch that offloads), else None (module docstring);
+    ``lever.moved_bytes(fw_module)`` what a forward so partitioned copies to host memory."""
+
+    def __call__(self, joint: torch.fx.GraphModule) -> Optional[Callable]:
+        if config.current().offload_saved is not None or not (_on_cuda(joint) or _on(joint, "meta")):
+            return None
+        if compat.activation_offloading(on_cuda=True) is None:
+            return None
+        return partition_offloading
+
+    @staticmethod
+    def moved_bytes(fw_module: torch.fx.GraphModule) -> int:
+        return offloaded_bytes(fw_module)
+
+
+lever = _Lever()
 
 
 def offloaded_bytes(fw_module: torch.fx.GraphModule) -> int:

@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import graph_memory
 from . import compat
 
 _OPS_WITH_WORKSPACE = (
@@ -62,7 +63,7 @@ def has_workspace(target) -> bool:
 
 
 def _hint(size) -> int:
-    value = compat.size_hint(size)  # never int(): that would guard on a symbolic size
+    value = graph_memory.size_hint(size)  # never int(): that would guard on a symbolic size
     if value is None:
         raise ValueError("data-dependent size")
     return value

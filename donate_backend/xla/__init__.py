@@ -23,8 +23,8 @@ def aot_options() -> dict:
 
     The default partitioner saves ``t(weight)`` for backward. An XLA graph
     output is always a buffer of its own, so every saved transpose was a full
-    copy of its weight, held from forward to backward (175 MiB on a
-    52M-parameter MLP). Min-cut recomputes such views in backward instead.
+    copy of its weight, held from forward to backward (docs/xla.md, "Measured
+    reasons"). Min-cut recomputes such views in backward instead.
     """
     min_cut_rematerialization_partition = torch_compat.min_cut_partition()
     if min_cut_rematerialization_partition is None:

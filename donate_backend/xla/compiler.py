@@ -17,11 +17,11 @@ from typing import Optional, Sequence
 import torch
 import torch_xla
 
-from .. import budget, config, report, torch_compat
+from .. import budget, config, graph_memory, graph_meta, report, torch_compat
 from ..analysis import aliasing, mutation
+from ..analysis import host_part as host
 from ..builds import BuildsPerSetting
-from ..native import memory as native_memory
-from . import compat, fallback, host, metrics, segments
+from . import compat, fallback, metrics, segments
 from . import memory as xla_memory
 from . import spmd
 from .lower import LoweringRequest, lower
@@ -225,7 +225,7 @@ def _split_backward(gm, ctx, settings: config.Settings, symbolic: bool) -> Optio
         return None
     if settings.backward_segments is None:  # automatic: where it releases enough
         split = segments.split_backward(gm, segments.AUTO_SEGMENTS)
-        chosen = gm.meta.get(xla_memory.SEGMENTS_META)  # the split a memory limit chose
+        chosen = gm.meta.get(graph_meta.BACKWARD_SEGMENTS)  # the split a memory limit chose
         return split if split is not None and (chosen or segments.worth_splitting(split)) else None
     if settings.backward_segments < 2:
         return None
@@ -270,48 +270,71 @@ def compile_graph(gm, example_inputs, ctx):
             )
         )
         return fallback.runner(around_cpu_ops, _compiled_parts(around_cpu_ops.top, ctx, around_cpu_ops.fallback_names), torch_xla.device())
-    roles = tuple(ctx.input_roles)
-    symbolic = is_symbolic(example_inputs)
-    host_inputs = tuple(check_inputs(example_inputs, ctx.name))  # the one check: devices do not change per signature
-    planning = budget.plan_phase(gm)  # a memory limit's choice: counted once, in the first build's record
-    # aot_autograd increments the versions of inputs a forward or inference graph mutates
-    # before each call; its backward increments nothing. Read here, inside aot_autograd's
-    # compile: a build for other settings (a step stitched once it has run) comes later,
-    # outside it, and without this no record would vouch for a donor (nothing donated).
-    bumped = frozenset() if ctx.kind == "backward" else compat.aot_version_bumped_inputs()
-    # Likewise which outputs are the caller's: a later build without it took the saved
-    # activations for the caller's outputs (its plan dropped them as outputs let go).
-    user_outputs = _num_user_outputs(ctx)
+    graph = _XlaGraph(gm, example_inputs, ctx)
+    executable = CompiledGraph(BuildsPerSetting(graph.build), gm)
+    executable.executable()  # compile now (dynamic shapes, SPMD: at the first call), under the switches in force
+    return executable
 
-    def executable_for(settings: config.Settings, args=None, device_args=None) -> XlaExecutable:
-        nonlocal planning
+
+class _XlaGraph:
+    """One aot graph on the XLA path: what is read once, inside aot_autograd's compile, and
+    the build for each switch setting (``build``: an executable, an executable per input
+    signature, or a backward's segments)."""
+
+    def __init__(self, gm, example_inputs: list, ctx) -> None:
+        self.gm = gm
+        self.example_inputs = example_inputs
+        self.ctx = ctx
+        self.roles = tuple(ctx.input_roles)
+        self.symbolic = is_symbolic(example_inputs)
+        # the one check: devices do not change per signature
+        self.host_inputs = tuple(check_inputs(example_inputs, ctx.name))
+        self.planning = budget.plan_phase(gm)  # a memory limit's choice: counted once, in the first build's record
+        # aot_autograd increments the versions of inputs a forward or inference graph mutates
+        # before each call; its backward increments nothing. Read here, inside aot_autograd's
+        # compile: a build for other settings (a step stitched once it has run) comes later,
+        # outside it, and without this no record would vouch for a donor (nothing donated).
+        self.bumped = frozenset() if ctx.kind == "backward" else compat.aot_version_bumped_inputs()
+        # Likewise which outputs are the caller's: a later build without it took the saved
+        # activations for the caller's outputs (its plan dropped them as outputs let go).
+        self.user_outputs = _num_user_outputs(ctx)
+
+    def build(self, settings: config.Settings):
+        ctx = self.ctx
+        split = _split_backward(self.gm, ctx, settings, self.symbolic)
+        if split is not None:
+            how = "backward_segments setting: " if settings.backward_segments is not None else (
+                "chosen to fit memory_limit: " if self.gm.meta.get(graph_meta.BACKWARD_SEGMENTS)
+                else "chosen automatically: "
+            )
+            _record_split(split, ctx, len(self.example_inputs), how)
+            return segments.ReleasingRunner(split, _compiled_parts(split.top, ctx))
+        if self.symbolic or compat.is_spmd():
+            return PerSignatureExecutable(
+                ctx.name,
+                lambda args, device_args: self.executable_for(settings, args, device_args),
+                by_shape=self.symbolic,
+                by_sharding=compat.is_spmd(),
+                context=self._leaf_shardings if compat.is_spmd() and ctx.kind == "backward" else None,
+            )
+        return self.executable_for(settings)
+
+    def _leaf_shardings(self) -> tuple:
+        """A backward's gradients take their leaves' shardings."""
+        count = len(output_nodes(self.gm))
+        return spmd.leaf_signature(spmd.gradient_leaves(self.ctx.graph_id, count))
+
+    def executable_for(self, settings: config.Settings, args=None, device_args=None):
+        """Donors, lowering, prediction and record of one build (one signature)."""
         analysed = time.perf_counter()
-        examples = concrete_examples(example_inputs, args) if symbolic else example_inputs
+        ctx, gm = self.ctx, self.gm
+        examples = concrete_examples(self.example_inputs, args) if self.symbolic else self.example_inputs
         real_inputs = device_args if compat.is_spmd() else None
-        choice = choose_donors(gm, examples, ctx, roles, host_inputs, user_outputs)
-        input_roles = [_role(roles, len(examples), i, ctx.kind) for i in range(len(examples))]
-        stitch = bool(settings.stitch) and real_inputs is None and not symbolic
+        choice = choose_donors(gm, examples, ctx, self.roles, self.host_inputs, self.user_outputs)
+        stitch = bool(settings.stitch) and real_inputs is None and not self.symbolic
         donation = settings.donation and _torch_xla_donates()
-        # stitched, the buffers are donated at the sync (StitchedExecutable), not in the HLO
-        active = choice.donors if donation and not stitch else []
-        requested = choice.requested if donation and not stitch else []
-
-        pinned = None
-        if real_inputs is not None and ctx.kind == "forward":
-            spmd.remember_forward_inputs(ctx.graph_id, real_inputs, spmd.input_shardings(real_inputs))
-        elif real_inputs is not None and ctx.kind == "backward":
-            count = len(output_nodes(gm))
-            pinned = spmd.gradient_shardings(ctx.graph_id, count, spmd.gradient_leaves(ctx.graph_id, count))
-
-        on_host = host.host_part(gm, list(host_inputs))
-
-        request = LoweringRequest(
-            gm, tuple(examples), ctx.name,
-            donors=tuple(active), requested_donors=tuple(sorted(requested)),
-            sharded=real_inputs is not None, output_shardings=pinned, host_values=on_host, stitch=stitch,
-            host_inputs=host_inputs,
-        )
-
+        on_host = host.host_part(gm, list(self.host_inputs))
+        request = self._request(examples, choice, real_inputs, donation, stitch, on_host)
         start, before = time.perf_counter(), metrics.transfer_snapshot()
         lowered = lower(request, real_inputs)
         if stitch and not lowered.params:  # torch_xla's user computations need an operand:
@@ -321,14 +344,54 @@ def compile_graph(gm, example_inputs, ctx):
         predicted_at = time.perf_counter()
         predicted = xla_memory.predict_or_none(
             gm, ctx.name, ctx.kind, donors=lowered.donors if not stitch else (choice.donors if donation else ()),
-            forward_returns=user_outputs, kept_inputs=gm.meta.get(fallback.KEPT_INPUTS_META, ()),
-            passed_outputs=native_memory.passed_outputs(gm.graph, ctx.kind, roles),
+            forward_returns=self.user_outputs, kept_inputs=gm.meta.get(graph_meta.KEPT_INPUTS, ()),
+            passed_outputs=graph_memory.passed_outputs(gm.graph, ctx.kind, self.roles),
         )
-        phases = planning + (("donors", start - analysed),) + lowered.phases + (
+        phases = self.planning + (("donors", start - analysed),) + lowered.phases + (
             ("memory prediction", time.perf_counter() - predicted_at),
         )
-        planning = ()
-        record = report.add(
+        self.planning = ()
+        record = self._record(examples, choice, lowered, predicted, phases, transfers, real_inputs,
+                              request.requested_donors, donation, stitch)
+        input_roles = [_role(self.roles, len(examples), i, ctx.kind) for i in range(len(examples))]
+        on_call = functools.partial(xla_memory.note_call, record, input_roles, forward_returns=self.user_outputs)
+        if stitch:
+            return StitchedExecutable(
+                ctx.name, lowered, host_values=on_host,
+                donors=choice.donors if donation else (), version_bumped=self.bumped, on_call=on_call,
+            )
+        return XlaExecutable(
+            ctx.name, lowered, host_values=on_host, version_bumped=self.bumped,
+            record_outputs=ctx.kind == "inference", requested=frozenset(request.requested_donors),
+            requestable=choice.requestable if donation and real_inputs is None else (),
+            sharded=compat.is_spmd(), on_call=on_call,
+        )
+
+    def _request(self, examples, choice: "DonorChoice", real_inputs, donation: bool, stitch: bool,
+                 on_host) -> LoweringRequest:
+        """What to lower: stitched, the buffers are donated at the sync (StitchedExecutable),
+        not in the HLO; under SPMD a backward's gradients pinned to their leaves' shardings."""
+        ctx = self.ctx
+        active = choice.donors if donation and not stitch else []
+        requested = choice.requested if donation and not stitch else []
+        pinned = None
+        if real_inputs is not None and ctx.kind == "forward":
+            spmd.remember_forward_inputs(ctx.graph_id, real_inputs, spmd.input_shardings(real_inputs))
+        elif real_inputs is not None and ctx.kind == "backward":
+            count = len(output_nodes(self.gm))
+            pinned = spmd.gradient_shardings(ctx.graph_id, count, spmd.gradient_leaves(ctx.graph_id, count))
+        return LoweringRequest(
+            self.gm, tuple(examples), ctx.name,
+            donors=tuple(active), requested_donors=tuple(sorted(requested)),
+            sharded=real_inputs is not None, output_shardings=pinned, host_values=on_host, stitch=stitch,
+            host_inputs=self.host_inputs,
+        )
+
+    def _record(self, examples, choice, lowered, predicted, phases, transfers, real_inputs, requested,
+                donation: bool, stitch: bool) -> report.GraphRecord:
+        ctx, gm = self.ctx, self.gm
+        input_roles = [_role(self.roles, len(examples), i, ctx.kind) for i in range(len(examples))]
+        return report.add(
             report.GraphRecord(
                 graph_id=ctx.graph_id,
                 kind=ctx.kind,
@@ -340,7 +403,7 @@ def compile_graph(gm, example_inputs, ctx):
                 transfers_bytes=int(transfers.outbound_bytes),
                 constants_uploaded=lowered.constants_uploaded,
                 donated=_donation_record(
-                    examples, lowered.donors, roles, ctx.kind,
+                    examples, lowered.donors, self.roles, ctx.kind,
                     spmd.sharding_signature(real_inputs) if real_inputs is not None else (),
                     requested=set(requested),
                 ),
@@ -348,55 +411,19 @@ def compile_graph(gm, example_inputs, ctx):
                 donation_enabled=donation,
                 stitched=stitch,
                 overwritten_roles=tuple(sorted({input_roles[i] for i, _ in lowered.writebacks})),
-                saved_bytes=saved_bytes(gm, user_outputs),
+                saved_bytes=saved_bytes(gm, self.user_outputs),
                 recompute_gated=lowered.traced.recompute_gated if lowered.traced is not None else 0,
                 updates_ordered=lowered.traced.updates_ordered if lowered.traced is not None else 0,
                 host_input_bytes=host_input_bytes(examples),
-                input_shapes=tuple(tuple(t.shape) for t in examples if isinstance(t, torch.Tensor)) if symbolic else None,
+                input_shapes=tuple(tuple(t.shape) for t in examples if isinstance(t, torch.Tensor))
+                if self.symbolic else None,
                 lowered=lowered,
-                budget_choice=gm.meta.get(budget.CHOICE_META),
-                planned_peak=gm.meta.get(budget.PLANNED_PEAK_META),
+                budget_choice=gm.meta.get(graph_meta.BUDGET_CHOICE),
+                planned_peak=gm.meta.get(graph_meta.PLANNED_PEAK),
                 memory=predicted,
+                estimator=xla_memory,
                 phases=phases,
                 step_choice=ctx.choice,
                 build_key=config.cache_key(),
             )
         )
-        on_call = functools.partial(xla_memory.note_call, record, input_roles, forward_returns=user_outputs)
-        if stitch:
-            return StitchedExecutable(
-                ctx.name, lowered, host_values=on_host,
-                donors=choice.donors if donation else (), version_bumped=bumped, on_call=on_call,
-            )
-        return XlaExecutable(
-            ctx.name, lowered, host_values=on_host, version_bumped=bumped,
-            record_outputs=ctx.kind == "inference", requested=frozenset(requested),
-            requestable=choice.requestable if donation and real_inputs is None else (),
-            sharded=compat.is_spmd(), on_call=on_call,
-        )
-
-    def leaf_shardings() -> tuple:  # a backward's gradients take their leaves' shardings
-        count = len(output_nodes(gm))
-        return spmd.leaf_signature(spmd.gradient_leaves(ctx.graph_id, count))
-
-    def build(settings: config.Settings):
-        split = _split_backward(gm, ctx, settings, symbolic)
-        if split is not None:
-            how = "backward_segments setting: " if settings.backward_segments is not None else (
-                "chosen to fit memory_limit: " if gm.meta.get(xla_memory.SEGMENTS_META) else "chosen automatically: "
-            )
-            _record_split(split, ctx, len(example_inputs), how)
-            return segments.ReleasingRunner(split, _compiled_parts(split.top, ctx))
-        if symbolic or compat.is_spmd():
-            return PerSignatureExecutable(
-                ctx.name,
-                lambda args, device_args: executable_for(settings, args, device_args),
-                by_shape=symbolic,
-                by_sharding=compat.is_spmd(),
-                context=leaf_shardings if compat.is_spmd() and ctx.kind == "backward" else None,
-            )
-        return executable_for(settings)
-
-    executable = CompiledGraph(BuildsPerSetting(build), gm)
-    executable.executable()  # compile now (dynamic shapes, SPMD: at the first call), under the switches in force
-    return executable

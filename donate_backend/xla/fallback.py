@@ -19,6 +19,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
+from .. import graph_meta
 from .ops import lowerable_node
 
 
@@ -146,13 +147,12 @@ class Part:
     name: str  # its attribute on the split graph's top module
     graph: torch.fx.GraphModule
     example_inputs: list
-    ctx: object  # backend.GraphContext of the part (``ctx.for_segment``)
+    ctx: object  # graphs.GraphContext of the part (``ctx.for_segment``)
     single_output: bool  # it returns one value, not a tuple
 
 
 # a part's module meta: the indices of its inputs that outlive it (read by a later part, or
 # returned by the whole graph), which its memory prediction does not release
-KEPT_INPUTS_META = "donate_xla_kept_inputs"
 
 
 def parts(top: torch.fx.GraphModule, ctx, skip=frozenset()) -> list:
@@ -166,7 +166,7 @@ def parts(top: torch.fx.GraphModule, ctx, skip=frozenset()) -> list:
 
 
 def _mark_kept_inputs(top: torch.fx.GraphModule) -> None:
-    """Note on each submodule (``KEPT_INPUTS_META``) which of its inputs a later
+    """Note on each submodule (``graph_meta.KEPT_INPUTS``) which of its inputs a later
     submodule reads, or the whole graph returns: a saved activation that two backward
     segments read is let go after the second, not after each."""
     from .memory import aliased_outputs
@@ -190,7 +190,7 @@ def _mark_kept_inputs(top: torch.fx.GraphModule) -> None:
             later = any(u.op == "call_module" and position[u] > position[node] for u in arg.users)
             if later or arg in returned or arg in aliases:
                 kept.append(index)
-        getattr(top, node.target).meta[KEPT_INPUTS_META] = tuple(kept)
+        getattr(top, node.target).meta[graph_meta.KEPT_INPUTS] = tuple(kept)
 
 
 def runner(split: CpuSplit, compiled: dict, device: torch.device) -> Callable:

@@ -98,7 +98,7 @@ class LoweringRequest:
     sharded: bool = False  # SPMD: traced on lazy clones of the call's inputs
     # a backward's gradients pinned to their leaves' shardings: {position: (shape, OpSharding)}
     output_shardings: Optional[dict] = dataclasses.field(default=None, compare=False)
-    host_values: object = None  # host.HostPart: write-backs and outputs computed on the host
+    host_values: object = None  # analysis.host_part.HostPart: write-backs and outputs computed on the host
     stitch: bool = False  # an XLA computation for lazy IR to call, not an executable
     keep_hlo_text: bool = False
     # indices of the host (CPU) tensors among the inputs, as ``check_inputs`` found them

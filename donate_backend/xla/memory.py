@@ -47,8 +47,8 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 import torch.fx
 
-from ..native import memory as native_memory
-from ..native.memory import ACTIVATIONS, GRADIENTS, OUTPUTS, TEMPORARIES, GraphMemory
+from .. import graph_memory, graph_meta
+from ..graph_memory import ACTIVATIONS, GRADIENTS, INPUTS, TEMPORARIES, GraphMemory
 
 # Ops XLA does not fuse their operands into: their operands are materialised.
 _FUSION_BARRIERS = frozenset({
@@ -66,7 +66,7 @@ def xla_bytes(value: torch.Tensor) -> int:
 
 
 def _values(node: torch.fx.Node) -> List[torch.Tensor]:
-    return native_memory._tensors(node)
+    return graph_memory.node_tensors(node)
 
 
 def _bytes(node: torch.fx.Node) -> int:
@@ -148,9 +148,8 @@ def _depthwise_kernel_expansion(args) -> int:
     """Bytes XLA:CPU adds for a depthwise convolution's kernel gradient (one input channel
     per group, as ConvNeXt's 7 x 7 blocks have): it computes the gradient as a dense
     convolution over every pair of channels, then keeps the diagonal with a select, and
-    holds both at once, a ``channels x channels x kernel`` buffer each. A kernel 7 x 7 over
-    256 channels becomes 2 x 12.25 MiB of temporaries for a 49 KiB gradient (one
-    convolution per executable: exactly that; the layout copies fit inside it). Other
+    holds both at once, a ``channels x channels x kernel`` buffer each (docs/xla.md,
+    "Measured reasons"; the layout copies fit inside them). Other
     grouped convolutions (two or more input channels per group) are reshaped instead, and
     add nothing beyond the layout copies."""
     groups = args[9] if len(args) > 9 else 1
@@ -162,9 +161,7 @@ def _depthwise_kernel_expansion(args) -> int:
 
 def _size(value) -> int:
     """A byte count that may be symbolic, at its hint (0 without one)."""
-    from ..native import compat
-
-    size = compat.size_hint(value)
+    size = graph_memory.size_hint(value)
     return int(size) if size is not None else 0
 
 
@@ -172,8 +169,8 @@ def _hoisted_kernel_copies(graph: torch.fx.Graph) -> Dict[torch.fx.Node, int]:
     """convolution -> the bytes of its kernel's copy, for each convolution of a forward
     whose kernel is a graph input. XLA:CPU's scheduler makes these copies, which read
     nothing but the input, at the start of the executable and holds each until its
-    convolution: ResNet-18's forward holds every kernel's copy at once (43.1 MiB of
-    temporaries in its buffer assignment, 42.6 MiB of them kernels)."""
+    convolution: a ResNet's forward holds every kernel's copy at once (docs/xla.md,
+    "Measured reasons")."""
     hoisted = {}
     for node in graph.nodes:
         if node.op == "call_function" and _op_name(node) == "convolution" and len(node.args) >= 2:
@@ -286,163 +283,179 @@ def predict(
     saved for the backward); ``kept_inputs``: in a backward segment, the inputs that
     outlive it (a later segment reads them), which it does not release;
     ``passed_outputs``: in a backward, the outputs an earlier graph's backward takes as
-    its tangents (``native.memory.passed_outputs``), counted in ``passed_grad_bytes``.
+    its tangents (``graph_memory.passed_outputs``), counted in ``passed_grad_bytes``.
     Where the runtime is XLA:CPU, the scratch its layouts add is counted too
     (``_layout_scratch``, ``_hoisted_kernel_copies``, ``_exact_gelu_parts``)."""
     placeholders = list(graph.find_nodes(op="placeholder"))
     donated = {placeholders[i] for i in donors if i < len(placeholders)}
     written = _writebacks(graph)
-    output = graph.output_node()
-    out_args = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-
-    # Outputs: a buffer each, unless it is an input returned as it is or a new value
-    # written into a donated input.
-    def category(index: int) -> str:
-        if kind == "backward":
-            return GRADIENTS
-        if kind == "forward" and forward_returns is not None and index >= forward_returns:
-            return ACTIVATIONS
-        return OUTPUTS
-
-    out_parts: Dict[str, int] = {}
-    returned: Set[torch.fx.Node] = set()
-    largest = 0
-    passed_bytes = 0
-    for index, value in enumerate(out_args):
-        if not isinstance(value, torch.fx.Node) or value in returned:
-            continue
-        returned.add(value)
-        if _input_itself(value):  # an input returned as it is: no buffer of its own
-            continue
-        # A view of an input is a buffer of its own: XLA's results never alias an input
-        # that is not donated, so the lowering returns such a view as a copy.
-        size = _bytes(value)
-        largest = max(largest, size)
-        out_parts[category(index)] = out_parts.get(category(index), 0) + size
-        if kind == "backward" and index in passed_outputs:
-            passed_bytes += size
-    writeback_bytes = 0
-    for value, target in written.items():
-        if target not in donated and value.op != "placeholder":
-            writeback_bytes += _bytes(value)  # a new buffer; the old one goes when it is installed
-
-    # Temporaries: materialised values that are not outputs, live to their last
-    # materialised reader.
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    materialised: Set[torch.fx.Node] = set()
-    for node in graph.nodes:
-        if node.op != "call_function" or _is_writeback(node):
-            continue  # a write-back's buffer is its input's, or its new value's (counted above)
-        if not _fusible(node) or (not is_view(node) and _read_by_barrier(node)):
-            materialised.add(node)
-    # A returned view's base is the output buffer, not a temporary; so is what an
-    # ``_unsafe_view`` reshapes (XLA's reshape is the same buffer), and every value between.
-    for value in list(returned):
-        returned.update(view_chain(value, through_reshapes=True))
-    # A returned value or a new value written into an input has a buffer of its own,
-    # computed where it stands: it is a materialised reader, however fusible its op.
-    computed = materialised | {n for n in returned | set(written) if n.op == "call_function"}
-    readers: Dict[torch.fx.Node, int] = {}  # node -> index of its last materialised reader
-    # XLA fuses an elementwise op into every op that reads it, also where its value is
-    # computed on its own for another reader (returned, or read by a matmul): BART's logits
-    # plus a bias are returned and fused again into the loss's log-softmax, so the matmul
-    # under them lives until the loss. node -> index of the last op that fuses node in.
-    fused_into: Dict[torch.fx.Node, int] = {}
-
-    def fused_reach(node: torch.fx.Node) -> int:
-        if node in fused_into:
-            return fused_into[node]
-        last = -1
-        for user in node.users:
-            if user.op != "call_function" or _op_name(user) in _FUSION_BARRIERS:
-                continue  # the output, or a matmul: they read the computed value
-            if is_view(user):
-                last = max(last, fused_reach(user))
-            elif _fusible(user):
-                last = max(last, order[user], fused_reach(user))
-            else:
-                last = max(last, order[user])
-        fused_into[node] = last
-        return last
-
-    def last_reader(node: torch.fx.Node) -> int:
-        if node in readers:
-            return readers[node]
-        last = order[node]
-        for user in node.users:
-            if user.op == "output" or user in computed:
-                last = max(last, order[user])
-                if user.op == "call_function" and _fusible(user):
-                    last = max(last, fused_reach(user))
-            else:
-                last = max(last, last_reader(user))
-        readers[node] = last
-        return last
-
-    for node in reversed(list(graph.nodes)):  # users first: no deep recursion
-        if node.op != "output":
-            fused_reach(node)
-            last_reader(node)
-    frees: Dict[int, List[int]] = {}
-    cpu_layouts = _cpu_layouts()
-    hoisted = _hoisted_kernel_copies(graph) if cpu_layouts and kind != "backward" else {}
-    early: Dict[int, int] = {}  # node index -> what XLA computed at the start for it, let go after it
-    for node, size in (_exact_gelu_parts(graph) if cpu_layouts else {}).items():
-        early[readers[node]] = early.get(readers[node], 0) + size
-    level = peak = sum(hoisted.values()) + sum(early.values())
-    peak_node = "(inputs)"
-    for node in graph.nodes:
-        if node in materialised and node not in returned and node not in written:
-            size = _bytes(node)
-            level += size
-            frees.setdefault(readers[node], []).append(size)
-            if level > peak:
-                peak, peak_node = level, node.name
-        if cpu_layouts and node.op == "call_function":
-            extra = _layout_scratch(node) - hoisted.get(node, 0)
-            if extra and level + extra > peak:
-                peak, peak_node = level + extra, node.name
-        level -= hoisted.get(node, 0) + early.pop(order[node], 0)
-        for size in frees.pop(order[node], ()):
-            level -= size
-    temporaries = peak
-
-    outputs_total = sum(out_parts.values())
-    peak_parts = dict(out_parts)
+    outputs = _Outputs(graph, kind, forward_returns, passed_outputs)
+    writeback_bytes = sum(_bytes(value) for value, target in written.items()
+                          if target not in donated and value.op != "placeholder")  # a new buffer each
+    temporaries, peak_node = _temporaries(graph, kind, outputs.returned, written)
+    peak_parts = dict(outputs.parts)
     if temporaries or writeback_bytes:
         peak_parts[TEMPORARIES] = temporaries + writeback_bytes
-    end_parts = dict(out_parts)
-    tangent_bytes = 0
-    released = 0
-    if kind == "backward":
-        kept = {placeholders[i] for i in kept_inputs if i < len(placeholders)}
-        for node in placeholders:
-            if node in kept:
-                continue
-            size = _bytes(node)
-            if node.name.startswith("tangents"):
-                tangent_bytes += size
-                end_parts[GRADIENTS] = end_parts.get(GRADIENTS, 0) - size
-            elif node.name.startswith("primals"):
-                continue  # a forward input the caller holds (a parameter, the batch)
-            else:
-                end_parts[ACTIVATIONS] = end_parts.get(ACTIVATIONS, 0) - size
-            released += size
+    end_parts, tangent_bytes, released = _released_inputs(kind, placeholders, kept_inputs, dict(outputs.parts))
     return GraphMemory(
         name=name,
         kind=kind,
-        peak_bytes=outputs_total + temporaries + writeback_bytes,
+        peak_bytes=sum(outputs.parts.values()) + temporaries + writeback_bytes,
         end_bytes=sum(end_parts.values()),
         peak_parts=tuple(sorted((c, b) for c, b in peak_parts.items() if b)),
         end_parts=tuple(sorted((c, b) for c, b in end_parts.items() if b)),
         peak_node=peak_node,
         released_input_bytes=released,
         tangent_bytes=tangent_bytes,
-        passed_grad_bytes=passed_bytes,
+        passed_grad_bytes=outputs.passed_bytes,
         tangent_indices=tuple(i for i, n in enumerate(placeholders) if n.name.startswith("tangents")),
-        largest_output_bytes=largest,
+        largest_output_bytes=outputs.largest,
         largest_written_bytes=max((_bytes(value) for value in written if value.op != "placeholder"), default=0),
     )
+
+
+class _Outputs:
+    """An executable's outputs: a buffer each, unless it is an input returned as it is or
+    a new value written into a donated input. ``parts``: bytes by category; ``returned``:
+    the nodes returned."""
+
+    def __init__(self, graph: torch.fx.Graph, kind: str, forward_returns: Optional[int],
+                 passed_outputs: Sequence[int]) -> None:
+        output = graph.output_node()
+        out_args = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+        self.parts: Dict[str, int] = {}
+        self.returned: Set[torch.fx.Node] = set()
+        self.largest = 0
+        self.passed_bytes = 0
+        for index, value in enumerate(out_args):
+            if not isinstance(value, torch.fx.Node) or value in self.returned:
+                continue
+            self.returned.add(value)
+            if _input_itself(value):  # an input returned as it is: no buffer of its own
+                continue
+            # A view of an input is a buffer of its own: XLA's results never alias an input
+            # that is not donated, so the lowering returns such a view as a copy.
+            size = _bytes(value)
+            self.largest = max(self.largest, size)
+            category = graph_memory.output_category(kind, index, forward_returns)
+            self.parts[category] = self.parts.get(category, 0) + size
+            if kind == "backward" and index in passed_outputs:
+                self.passed_bytes += size
+
+
+class _LastReaders:
+    """Node -> the index of its last materialised reader, and of the last op that fuses it
+    in. XLA fuses an elementwise op into every op that reads it, also where its value is
+    computed on its own for another reader (returned, or read by a matmul): BART's logits
+    plus a bias are returned and fused again into the loss's log-softmax, so the matmul
+    under them lives until the loss."""
+
+    def __init__(self, graph: torch.fx.Graph, computed: Set[torch.fx.Node]) -> None:
+        self.order = {node: i for i, node in enumerate(graph.nodes)}
+        self.computed = computed
+        self.readers: Dict[torch.fx.Node, int] = {}
+        self.fused_into: Dict[torch.fx.Node, int] = {}
+        for node in reversed(list(graph.nodes)):  # users first: no deep recursion
+            if node.op != "output":
+                self.fused_reach(node)
+                self.last_reader(node)
+
+    def fused_reach(self, node: torch.fx.Node) -> int:
+        if node in self.fused_into:
+            return self.fused_into[node]
+        last = -1
+        for user in node.users:
+            if user.op != "call_function" or _op_name(user) in _FUSION_BARRIERS:
+                continue  # the output, or a matmul: they read the computed value
+            if is_view(user):
+                last = max(last, self.fused_reach(user))
+            elif _fusible(user):
+                last = max(last, self.order[user], self.fused_reach(user))
+            else:
+                last = max(last, self.order[user])
+        self.fused_into[node] = last
+        return last
+
+    def last_reader(self, node: torch.fx.Node) -> int:
+        if node in self.readers:
+            return self.readers[node]
+        last = self.order[node]
+        for user in node.users:
+            if user.op == "output" or user in self.computed:
+                last = max(last, self.order[user])
+                if user.op == "call_function" and _fusible(user):
+                    last = max(last, self.fused_reach(user))
+            else:
+                last = max(last, self.last_reader(user))
+        self.readers[node] = last
+        return last
+
+
+def _temporaries(graph: torch.fx.Graph, kind: str, returned: Set[torch.fx.Node], written: dict) -> tuple:
+    """(the most bytes of temporaries live at once, the node where): materialised values
+    that are not outputs, each live to its last materialised reader, and on XLA:CPU the
+    scratch its layouts add."""
+    materialised: Set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or _is_writeback(node):
+            continue  # a write-back's buffer is its input's, or its new value's (counted apart)
+        if not _fusible(node) or (not is_view(node) and _read_by_barrier(node)):
+            materialised.add(node)
+    # A returned view's base is the output buffer, not a temporary; so is what an
+    # ``_unsafe_view`` reshapes (XLA's reshape is the same buffer), and every value between.
+    returned = set(returned)
+    for value in list(returned):
+        returned.update(view_chain(value, through_reshapes=True))
+    # A returned value or a new value written into an input has a buffer of its own,
+    # computed where it stands: it is a materialised reader, however fusible its op.
+    computed = materialised | {n for n in returned | set(written) if n.op == "call_function"}
+    reach = _LastReaders(graph, computed)
+    frees: Dict[int, List[int]] = {}
+    cpu_layouts = _cpu_layouts()
+    hoisted = _hoisted_kernel_copies(graph) if cpu_layouts and kind != "backward" else {}
+    early: Dict[int, int] = {}  # node index -> what XLA computed at the start for it, let go after it
+    for node, size in (_exact_gelu_parts(graph) if cpu_layouts else {}).items():
+        early[reach.readers[node]] = early.get(reach.readers[node], 0) + size
+    level = peak = sum(hoisted.values()) + sum(early.values())
+    peak_node = "(inputs)"
+    for node in graph.nodes:
+        if node in materialised and node not in returned and node not in written:
+            size = _bytes(node)
+            level += size
+            frees.setdefault(reach.readers[node], []).append(size)
+            if level > peak:
+                peak, peak_node = level, node.name
+        if cpu_layouts and node.op == "call_function":
+            extra = _layout_scratch(node) - hoisted.get(node, 0)
+            if extra and level + extra > peak:
+                peak, peak_node = level + extra, node.name
+        level -= hoisted.get(node, 0) + early.pop(reach.order[node], 0)
+        for size in frees.pop(reach.order[node], ()):
+            level -= size
+    return peak, peak_node
+
+
+def _released_inputs(kind: str, placeholders: list, kept_inputs: Sequence[int], end_parts: Dict[str, int]) -> tuple:
+    """(bytes by category at return, the tangents' bytes, the inputs' bytes released): a
+    backward releases its saved activations and tangents (not the forward inputs the caller
+    holds, nor a segment's inputs a later segment reads)."""
+    tangent_bytes = released = 0
+    if kind != "backward":
+        return end_parts, tangent_bytes, released
+    kept = {placeholders[i] for i in kept_inputs if i < len(placeholders)}
+    for node in placeholders:
+        if node in kept:
+            continue
+        size = _bytes(node)
+        if node.name.startswith("tangents"):
+            tangent_bytes += size
+            end_parts[GRADIENTS] = end_parts.get(GRADIENTS, 0) - size
+        elif node.name.startswith("primals"):
+            continue  # a forward input the caller holds (a parameter, the batch)
+        else:
+            end_parts[ACTIVATIONS] = end_parts.get(ACTIVATIONS, 0) - size
+        released += size
+    return end_parts, tangent_bytes, released
 
 
 def _read_by_barrier(node: torch.fx.Node) -> bool:
@@ -542,14 +555,14 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
         return
     report.mark_first_call(record)
     if record.kind == "backward":
-        record.outputs_held = native_memory.outputs_held(r for r in report.reports() if r.path == "xla")
+        record.runs.outputs_held = graph_memory.outputs_held(r for r in report.reports() if r.path == "xla")
         return
     held = []
     for role, value in zip(roles, args):
         if isinstance(value, torch.Tensor):
             held.append((role, ("xla", id(value)), xla_bytes(value)))
-    record.held_inputs = tuple(held)
-    record.parameter_refs = tuple(
+    record.runs.held_inputs = tuple(held)
+    record.runs.parameter_refs = tuple(
         weakref.ref(value) for role, value in zip(roles, args)
         if role == "parameter" and isinstance(value, torch.Tensor)
     )
@@ -557,13 +570,13 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
     made = [v for v in outputs if isinstance(v, torch.Tensor) and id(v) not in inputs]
     # an input returned as it is stays the caller's; each output also by its torch_xla
     # id, which an alias of it that eager autograd saved shares (``eager_saved``)
-    record.returned = frozenset(("xla", id(v)) for v in made) | frozenset(
+    record.runs.returned = frozenset(("xla", id(v)) for v in made) | frozenset(
         key for key in map(_tensor_key, made) if key is not None
     )
     if record.kind == "forward":
         _note_eager_saved(record, args)
     if record.kind == "forward" and forward_returns is not None:
-        record.output_storages = _tensor_refs([v for v in list(outputs)[:forward_returns] if id(v) not in inputs])
+        record.runs.output_storages = _tensor_refs([v for v in list(outputs)[:forward_returns] if id(v) not in inputs])
 
 
 def _limits_reached() -> int:
@@ -585,7 +598,7 @@ def _note_eager_saved(record, args: Sequence) -> None:
         from .. import report
 
         report.log.debug("donate_xla: what eager code saved before %s was not found: %s", record.name, error)
-        record.eager_saved_after_limits = _limits_reached()
+        record.runs.eager_saved_after_limits = _limits_reached()
         return
     if record.eager_saved_after_limits != _limits_reached():
         # found again: the arguments of the first call that eager code made stay named,
@@ -593,8 +606,8 @@ def _note_eager_saved(record, args: Sequence) -> None:
         # at the first call) as values of the step, not as tensors held between steps
         named = {key for key, _ in found}
         found += tuple((key, 0) for key, _ in record.eager_saved if key[0] == "xla" and key not in named)
-    record.eager_saved_after_limits = _limits_reached()
-    record.eager_saved = found
+    record.runs.eager_saved_after_limits = _limits_reached()
+    record.runs.eager_saved = found
 
 
 def _tensor_key(value: torch.Tensor):
@@ -628,7 +641,7 @@ def eager_saved(args: Sequence) -> tuple:
     saved = [(t, key) for t in native_compat.saved_by_eager_autograd(args, identity=_tensor_key)
              for key in [_tensor_key(t)] if key not in aliases]
     for value, key in [*made.values(), *saved]:
-        if key is not None and key not in out and not native_memory.held_between_steps(value):
+        if key is not None and key not in out and not graph_memory.held_between_steps(value):
             out[key] = xla_bytes(value)
     # each argument also as ``held_inputs`` names it (the Python object), with no bytes:
     # the plan then knows it as a value of the step, not a tensor held between steps
@@ -638,9 +651,9 @@ def eager_saved(args: Sequence) -> tuple:
 
 class _TensorRef:
     """A weak reference to an XLA tensor with ``StorageWeakRef``'s ``expired()``, for
-    ``native_memory.held_bytes``. Not a ``StorageWeakRef``: one of those on an XLA
-    tensor keeps the tensor's XLA data alive after the tensor is gone (measured: 64 MiB
-    per reference, never freed), and a lazy tensor's value an output of the next sync.
+    ``graph_memory.held_bytes``. Not a ``StorageWeakRef``: one of those on an XLA
+    tensor keeps the tensor's XLA data alive after the tensor is gone (never freed), and a
+    lazy tensor's value an output of the next sync.
     The Python object lives as long as anything holds its tensor (torch preserves it)."""
 
     __slots__ = ("_ref",)
@@ -689,13 +702,12 @@ def _watch_gradients(record) -> None:
     def after_sync():
         _watched.discard(id(record))
         grads = [getattr(ref(), "grad", None) for ref in refs]
-        record.gradients_at_sync = sum(xla_bytes(g) for g in grads if g is not None)
+        record.runs.gradients_at_sync = sum(xla_bytes(g) for g in grads if g is not None)
 
     if compat.add_step_closure(after_sync):
         _watched.add(id(record))
 
 
-SEGMENTS_META = "donate_xla_backward_segments"  # bw_module.meta: the split the limit chose
 
 
 def predict_step(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModule,
@@ -708,27 +720,27 @@ def predict_step(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModul
     ``memory_limit`` in force, or where the backward recomputes (a candidate at a
     budget below 1), the backward split into segments (``segments.py``), each
     releasing the saved tensors it read last. A split that makes the step fit
-    is noted in ``bw_module.meta[SEGMENTS_META]``, and the backward's compiler
+    is noted in ``bw_module.meta[graph_meta.BACKWARD_SEGMENTS]``, and the backward's compiler
     splits it so: it recomputes nothing, so it comes before any smaller activation
     budget. ``DONATE_XLA_BACKWARD_SEGMENTS`` set to a number is kept as it is."""
-    from .. import budget, config
+    from .. import config
     from . import segments
 
     resident = sum(_bytes(n) for n in fw_module.graph.find_nodes(op="placeholder"))
     forward = predict(fw_module.graph, "forward", "forward", forward_returns=forward_returns)
     backward = predict(bw_module.graph, "backward", "backward")
-    parts: Dict[str, int] = {native_memory.INPUTS: resident}
+    parts: Dict[str, int] = {INPUTS: resident}
     tangents = ((GRADIENTS, backward.tangent_bytes),)
     in_backward = forward.end_bytes + backward.tangent_bytes + backward.peak_bytes
     backward_parts = backward.peak_parts
     settings = config.current()
     limit = settings.memory_limit
-    bw_module.meta.pop(SEGMENTS_META, None)
+    bw_module.meta.pop(graph_meta.BACKWARD_SEGMENTS, None)
     # A backward that recomputes (a budget below 1) is split wherever it can be: as one
     # executable XLA:CPU's scheduler runs much of the recomputation at once, well above
-    # what this model predicts (benchmark GPT at budget 0.1: 242 MiB predicted, 362
-    # measured), while each segment's order is fixed (0.7 in segments: 262 and 267).
-    recomputes = bw_module.meta.get(budget.SHARE_META, 1.0) < 1.0
+    # what this model predicts, while each segment's order is fixed (docs/xla.md,
+    # "Measured reasons").
+    recomputes = bw_module.meta.get(graph_meta.BUDGET_SHARE, 1.0) < 1.0
     split = None
     if settings.backward_segments is None and limit is not None and (resident + in_backward > limit or recomputes):
         split = segments.split_backward(bw_module, segments.AUTO_SEGMENTS)
@@ -738,7 +750,7 @@ def predict_step(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModul
             in_backward = forward.end_bytes + backward.tangent_bytes + split_peak
             backward_parts = split_parts
             if resident + max(in_backward, forward.peak_bytes) <= limit:
-                bw_module.meta[SEGMENTS_META] = split.count
+                bw_module.meta[graph_meta.BACKWARD_SEGMENTS] = split.count
     if forward.peak_bytes >= in_backward:
         for category, size in forward.peak_parts:
             parts[category] = parts.get(category, 0) + size
@@ -772,3 +784,58 @@ def _split_peak(split) -> tuple:
             if saved and last_use.get(used) is node:
                 level -= _bytes(used)
     return peak, peak_parts
+
+
+def tensor_bytes(value: torch.Tensor) -> int:
+    """Bytes an XLA buffer of ``value`` takes, for the step's plan."""
+    return xla_bytes(value)
+
+
+def workspace_bytes(call) -> int:
+    """XLA executables' scratch is in their temporaries: nothing apart."""
+    return 0
+
+
+def plan_notes(facts) -> list:
+    """What a memory plan of an XLA step cannot see (``planner.PlanFacts``), as sentences."""
+    from .. import dynamo_compat
+
+    notes = [
+        "XLA: each executable's temporaries come from a model of XLA's fusion over the graph, "
+        "not from XLA's buffer assignment; XLA's scheduler may hold more at once"
+    ]
+    if facts.stitched_step:
+        notes.append(
+            "stitched step: its graphs run as one XLA computation, in which the optimizer's graph "
+            "updates each parameter as soon as its gradient exists; the plan counts one gradient "
+            "and one update at a time, which holds when the step drops its gradients "
+            "(optimizer.zero_grad()) before the torch_xla.sync() that runs it, and counts the "
+            "rest as separate executables (XLA's schedule of the whole step may hold more)"
+        )
+    elif any(r.stitched for r in facts.step):
+        notes.append(
+            "stitched graphs with no stitched optimizer graph after their backward: the plan "
+            "counts them as separate executables"
+        )
+    if any(r.backward_segments for r in facts.records):
+        notes.append("backward segments: each segment counted as a backward of its own (approximate)")
+    if facts.forwards > 1:
+        notes.append(
+            f"the step's forward runs {facts.forwards} compiled graphs (graph breaks): the code between "
+            "them runs in torch_xla's lazy mode, outside any compiled graph: what it passes to a graph "
+            "and what its own autograd saves for the backward are counted "
+            f"({facts.eager_bytes / 1024:.1f} KiB, as activations held until that graph's backward, "
+            "seen on each graph's first call and again once dynamo stopped compiling a function; none "
+            "that saved-tensor hooks packed), its other allocations are not (the lazy graphs torch_xla "
+            "runs for it, and their temporaries)"
+        )
+    for function, limit in sorted(dynamo_compat.recompile_limit_hits().items()):
+        notes.append(
+            f"dynamo reached its {limit} for {function} and runs it eagerly from then on (lazy "
+            "torch_xla code): what it saves for the backward and passes to the next graph is counted "
+            "as the code between graph breaks is (above), what else it allocates is not (a function "
+            "called with a new size each time reaches the limit where dynamic shapes are off, as "
+            "torch_xla turns them; raise torch._dynamo.config.recompile_limit, or give the function "
+            "fixed sizes)"
+        )
+    return notes

@@ -14,13 +14,9 @@ Before each lowering donate_xla counts the mappings (``/proc/self/maps``): past
 ``WARN_SHARE`` of the limit it warns once, past ``REFUSE_SHARE`` it raises
 ``MappingLimitError`` naming the graph and what to do, while the process can
 still report it. The margin is wide because torch_xla also compiles between
-two of donate_xla's lowerings (eager code, stitched graphs at their sync): that
-loop's stitched mode repeated in one process passed 53,900 mappings after three
-rounds and stood at 64,038 at the first lowering of the fourth (refused there
-by a first try at 90 %, 1,500 mappings short of the limit). Evicted executables
-give their mappings back (measured: with ``XLA_COMPILATION_CACHE_SIZE=4`` a
-process compiling 60 distinct graphs stayed at +83 mappings; with the default
-it grew by 12 a graph), so a smaller cache is one way out. Where ``/proc`` is absent (not Linux) nothing is checked.
+two of donate_xla's lowerings (eager code, stitched graphs at their sync).
+Evicted executables give their mappings back, so a smaller cache
+(``XLA_COMPILATION_CACHE_SIZE``) is one way out (docs/xla.md, "Measured reasons"). Where ``/proc`` is absent (not Linux) nothing is checked.
 """
 from __future__ import annotations
 

@@ -123,7 +123,7 @@ def plan_results(
     Every donor is written back, even one whose traced value ended up unchanged
     (``v1.copy_(v0); v0.add_(1); v0.copy_(v1)``): XLA invalidates a donated
     buffer whether or not an output takes it over. ``host_values`` (a
-    ``host.HostPart``) names the write-backs and outputs computed on the host.
+    ``analysis.host_part.HostPart``) names the write-backs and outputs computed on the host.
     """
     holders = live.holders
     tensor_inputs = [i for i, h in enumerate(holders) if isinstance(h, torch.Tensor)]
@@ -271,8 +271,7 @@ def donors_first_order(plan, donors: Sequence[int], live) -> list[int]:
     outputs of equal byte size in order: the k-th donor among the HLO
     parameters with the k-th output. When a parameter and its same-shaped
     momentum are paired the other way round, XLA must copy both to keep the old
-    values readable, which cost 150 MiB of temporaries in a 52M-parameter SGD
-    step.
+    values readable (docs/xla.md, "Measured reasons").
     """
     donor_set = set(donors)
     result_of_input = {i: r for i, r in plan.writebacks if i in donor_set}

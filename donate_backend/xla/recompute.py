@@ -7,9 +7,8 @@ it: each layer's recomputation just before that layer's gradients. XLA does
 not keep that order. The recomputation reads only saved values, so its
 scheduler is free to run all of it at the start of the executable, and it
 does: every layer's recomputed activations are then live together at the
-backward's peak, which is what the recomputation was meant to avoid.
-(Measured on the 6-layer GPT of ``bench/donation.py`` at budget 0.1: 26 MiB saved, yet
-the backward's peak held the GELU outputs and MLP products of all six layers.)
+backward's peak, which is what the recomputation was meant to avoid (docs/xla.md,
+"Measured reasons").
 
 The fix is data dependence. Each recomputation *root* (a node that depends
 on no incoming gradient and on no other gated node) gets one of its inputs
@@ -24,10 +23,6 @@ finite), which no gradient makes false and XLA does not fold (``y * 0`` is not
 0 for every floating-point ``y``). An addition of ``-0.0`` would do too, but
 XLA:CPU flushes denormals to zero in arithmetic, so a copying op downstream
 would see a changed value; a select does no arithmetic.
-
-Measured (live bytes, 6-layer GPT, docs/benchmarks.md): at budget 0.5 the
-step needed 395 MiB without the ordering and 314 MiB with it; on 4 sharded
-devices at budget 0.1, 445 MiB and 344 MiB.
 
 ``gates(graph)`` is the pure part: which node waits for which.
 """
@@ -106,9 +101,8 @@ def always_true(gate: torch.Tensor) -> torch.Tensor:
     """A 0-d ``True`` that XLA can compute only once all of ``gate`` is computed.
 
     From the maximum of the whole tensor, not one element: on a mesh one element
-    lives on one device, and XLA gathered the gate to read it (measured: 80 MiB
-    more at the sharded GPT's peak); a reduction stays local up to one scalar
-    all-reduce. A maximum that is not finite (an overflowed gradient) counts as
+    lives on one device, and XLA gathered the gate to read it (more memory at a sharded
+    step's peak); a reduction stays local up to one scalar all-reduce. A maximum that is not finite (an overflowed gradient) counts as
     0, so ``largest * 0 == 0`` holds whatever the gate holds."""
     largest = gate.max()
     finite = torch.where(torch.isfinite(largest), largest, torch.zeros_like(largest))

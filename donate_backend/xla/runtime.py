@@ -88,7 +88,7 @@ class XlaExecutable:
         # forward's outputs (activations, the loss) are not worth the record
         self._record_outputs = record_outputs
         self._requested = requested  # donations the program asked for in the graph
-        self._host_values = host_values  # host.HostPart: values computed on the host
+        self._host_values = host_values  # analysis.host_part.HostPart: values computed on the host
         self._requestable = requestable  # inputs donated when their buffer is flagged
         self._flag_count: Optional[int] = None  # torch_xla's XlaSetBufferDonation at the last look
         self._with_flagged: dict = {}  # frozenset of flagged inputs -> LoweredGraph

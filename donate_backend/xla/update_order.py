@@ -9,10 +9,9 @@ linear layer's backward reads its weight for the input's gradient
 (``grad_out @ W``), while the weight's own gradient (``grad_out^T @ x``),
 which is all its update waits for, does not depend on that product. So no
 dependence orders the read before the write, and XLA copies the weight at
-the start of the step and reads the copy instead: on the 8 x (Linear 2048 +
-GELU) MLP, seven 16 MiB copies per step, made before the forward and held
-until each update (measured: 74.4 MiB of growth per step with them, 60.5
-without; the step time did not change beyond its spread).
+the start of the step and reads the copy instead: a copy of every weight but
+the first, made before the forward and held until each update (docs/xla.md,
+"Measured reasons").
 
 The fix is the same data dependence ``recompute.py`` uses, in the other
 direction: the op that produces a parameter's gradient gets one input
@@ -35,10 +34,10 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.fx
 
+from .. import graph_meta
 from . import recompute
 from .memory import is_view, view_base
 
-INPUT_GRADS_META = "donate_xla_input_grads"  # backward module meta: {placeholder name: output index}
 
 
 def input_grads(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModule) -> Dict[str, int]:
@@ -62,7 +61,7 @@ def input_grads(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModule
 
 
 def record_input_grads(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModule) -> None:
-    bw_module.meta[INPUT_GRADS_META] = input_grads(fw_module, bw_module)
+    bw_module.meta[graph_meta.INPUT_GRADS] = input_grads(fw_module, bw_module)
 
 
 def _readers(placeholder: torch.fx.Node) -> list:
@@ -105,7 +104,7 @@ def gates(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[torch.fx.Node, 
     read that parameter before it, which it must wait for (see the module docstring).
     A gradient whose parameter is also read after its producer, in graph order, or by an
     op whose value no flag can be computed from, is left alone (it cannot wait for that read)."""
-    grads_of = gm.meta.get(INPUT_GRADS_META) or {}
+    grads_of = gm.meta.get(graph_meta.INPUT_GRADS) or {}
     if not grads_of:
         return {}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}

@@ -1,13 +1,13 @@
 """The host part of a graph: values computed on the CPU from host inputs only.
 
 An optimizer keeps its step counters on the CPU (``torch.tensor(0.)``) and the
-compiled step increments them. Computed on the XLA device, each new count has
-to come back with ``.cpu()``: a wait for the device on every call. But a value
-that depends only on host inputs (``step + 1``) can be computed on the host,
-by the same ATen ops, in microseconds: ``host_part`` finds those values among
-the graph's write-backs and outputs and builds a small FX graph for them. The
-XLA executable still reads the host inputs it needs (uploaded with the call);
-it just no longer returns these values.
+compiled step increments them. Computed on a device (XLA, JAX), each new count
+has to come back with ``.cpu()``: a wait for the device on every call. But a value
+that depends only on host inputs (``step + 1``) can be computed on the host, by
+the same ATen ops, in microseconds: ``host_part`` finds those values among the
+graph's write-backs and outputs and builds a small FX graph for them. The
+device's executable still reads the host inputs it needs (uploaded with the
+call); it just no longer returns these values.
 """
 from __future__ import annotations
 
