@@ -15,7 +15,7 @@ NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_STAMP := $(NEWEST_VENV)/.installed
 export PJRT_DEVICE ?= CPU
 
-.PHONY: demo test test-xla test-newest test-slow bench bench-docs fuzz fuzz-native fuzz-mesh peer-tests clean
+.PHONY: demo test test-xla test-newest test-slow bench bench-docs fuzz fuzz-native fuzz-jax fuzz-mesh peer-tests clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -141,11 +141,17 @@ test-newest: $(NEWEST_STAMP)
 		$(foreach model,$(SLOW_INDUCTOR_NEWEST),--deselect '$(NATIVE_REAL)[$(model)-inductor]') --deselect '$(NATIVE_DYNAMIC)' \
 		$(foreach model,$(SLOW_DDP_REAL_NEWEST),--deselect '$(DDP_REAL)::test_real_model_under_ddp_equals_eager_ddp[$(model)]') \
 		$(foreach model,$(SLOW_PLAN_NEWEST),--deselect '$(PLAN_REAL)[$(model)]')
+	# The JAX target: a process of its own, which registers the JAX device before its first backward
+	DONATE_XLA_TEST_JAX=1 $(NEWEST_PY) -m pytest -q $(XDIST) --durations=5 tests/test_jax_target.py
 
 # Differential fuzzing of the XLA path against eager PyTorch (about 1 s a scenario).
 FUZZ_COUNT ?= 2000
 fuzz: $(STAMP)
 	$(PY) tests/xla_fuzz.py --count $(FUZZ_COUNT) --out fuzz-results.json
+
+# The same programs on the JAX target (donate_backend.jax_device(), the newest torch with jax).
+fuzz-jax: $(NEWEST_STAMP)
+	$(NEWEST_PY) tests/xla_fuzz.py --path jax --count $(FUZZ_COUNT) --out fuzz-jax-results.json
 
 # The same programs in SPMD mode on a 4-device mesh (every tensor replicated).
 fuzz-mesh: $(STAMP)

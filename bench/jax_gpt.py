@@ -17,6 +17,11 @@ and recomputes the rest).
 Prints one JSON line: the first loss (to check the models match), the parameter count,
 the live growth over the measured steps (peak minus trough of the RSS, as the torch rows),
 how many state buffers kept their address, and the median step time.
+
+``bench/jax_target.py`` runs it too (through ``jax_common.jax_worker``), as the reference row
+of the GPT trained on XLA:CPU four ways: donate_xla's JAX target on
+``donate_backend.jax_device()``, donate_xla and openxla on torch_xla, and this step; it compares
+their time to the first step, step time, live growth and first loss.
 """
 from __future__ import annotations
 

@@ -13,6 +13,13 @@ from .planner import MemoryPlan, memory_plan
 from .report import GraphRecord, clear_reports, format_record, format_table, reports
 
 
+def jax_device(index: int = 0):
+    """The torch device whose tensors hold JAX arrays, for the JAX lowering target (needs
+    jax and torch 2.15 or newer; docs/jax.md): ``model.to(donate_backend.jax_device())``."""
+    from .jax.device import jax_device as device
+
+    return device(index)
+
 
 def _register() -> None:
     from .backend import donate_xla
@@ -42,6 +49,7 @@ __all__ = [
     "format_table",
     "format_record",
     "GraphRecord",
+    "jax_device",
     "DonateXlaError",
     "UnsupportedGraphError",
     "MemoryPlan",

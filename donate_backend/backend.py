@@ -15,7 +15,7 @@ import functools
 import itertools
 import warnings
 
-from . import config, paths
+from . import config, fixed_sizes, paths
 from .analysis.mutation import dynamo_input_roles
 from .errors import DonateXlaError
 from .graphs import GraphRequest
@@ -64,14 +64,25 @@ def donate_xla(gm, example_inputs, **compile_arguments):
     graph_id = next(_graph_ids)
     overrides = compile_options(graph_id, **compile_arguments)
     with config.overriding(overrides):
-        path = paths.path_for(example_inputs, graph_id)
+        path = paths.path_for(gm, example_inputs, graph_id)
         path.check_dynamo_graph(gm, example_inputs, graph_id)
         rewrite_hidden_writes(gm)
         path.prepare_dynamo_graph(gm)
         roles = dynamo_input_roles(gm, example_inputs)
         captured = path.capture(gm, example_inputs)  # here: inside dynamo, before aot_autograd
+        if path.fixed_sizes and fixed_sizes.symbolic(example_inputs):
+            return fixed_sizes.PerSizes(f"graph {graph_id}", functools.partial(
+                _compile_for_sizes, gm, path, roles, captured, overrides))
         request = GraphRequest(graph_id, gm, path, roles, captured, overrides)
         return compiled_step(request, example_inputs)
+
+
+def _compile_for_sizes(gm, path, roles, captured, overrides, args):
+    """A graph that dynamo traced with symbolic sizes, compiled for the sizes of ``args``
+    (``fixed_sizes.PerSizes``), as a graph of its own."""
+    with config.overriding(overrides):
+        request = GraphRequest(next(_graph_ids), gm, path, roles, captured, overrides)
+        return compiled_step(request, args)
 
 
 __all__ = ["compile_options", "donate_xla"]

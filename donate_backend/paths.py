@@ -3,7 +3,7 @@
 A path owns the graphs whose tensors live on its devices, from dynamo's graph to the
 callable aot_autograd runs. Its stages, in the order the backend calls them:
 
-1. ``claims(example_inputs)``: route: is this graph on one of my devices?
+1. ``claims(gm, example_inputs)``: route: is this graph on one of my devices?
 2. ``check_available`` / ``check_dynamo_graph``: refuse early, before anything is traced
    (a missing dependency, a graph the path would compute wrongly);
 3. ``prepare_dynamo_graph`` and ``capture``: rewrite dynamo's graph in place where
@@ -17,8 +17,9 @@ callable aot_autograd runs. Its stages, in the order the backend calls them:
 6. the step's levers, once it has run (``choice``): ``levers`` names the path's policy
    (None: no lever is chosen per step).
 
-The paths: ``NativePath`` (CUDA and CPU tensors, ``donate_backend.native``) and
-``XlaPath`` (torch_xla, ``donate_backend.xla``). Each adapter here imports its
+The paths: ``NativePath`` (CUDA and CPU tensors, ``donate_backend.native``),
+``XlaPath`` (torch_xla, ``donate_backend.xla``) and ``JaxPath`` (tensors on
+``donate_backend.jax_device()``, ``donate_backend.jax``). Each adapter here imports its
 package only when a graph needs it, so that ``import donate_backend`` needs torch alone.
 """
 from __future__ import annotations
@@ -41,10 +42,13 @@ class Path(abc.ABC):
     """One lowering target (module docstring). ``name`` is the records' ``path``."""
 
     name: str = ""
+    # Whether the path compiles fixed sizes only: a graph dynamo traced with symbolic sizes is
+    # then compiled once per concrete size (``fixed_sizes.PerSizes``)
+    fixed_sizes: bool = False
 
     @abc.abstractmethod
-    def claims(self, example_inputs: Sequence) -> bool:
-        """Whether a graph with these inputs runs on this path."""
+    def claims(self, gm, example_inputs: Sequence) -> bool:
+        """Whether dynamo's graph ``gm``, with these inputs, runs on this path."""
 
     def check_available(self, graph_id: int, example_inputs: Sequence) -> None:
         """Raise ``DonateXlaError`` where what the path needs is not installed."""
@@ -81,7 +85,7 @@ class NativePath(Path):
 
     name = "native"
 
-    def claims(self, example_inputs) -> bool:
+    def claims(self, gm, example_inputs) -> bool:
         return True  # whatever no other path claims
 
     def package(self):
@@ -96,7 +100,7 @@ class XlaPath(Path):
 
     name = "xla"
 
-    def claims(self, example_inputs) -> bool:
+    def claims(self, gm, example_inputs) -> bool:
         return any(t.device.type == "xla" for t in _tensors(example_inputs))
 
     def check_available(self, graph_id: int, example_inputs) -> None:
@@ -109,7 +113,7 @@ class XlaPath(Path):
                 f"shape {tuple(tensor.shape)}, device {tensor.device}), but torch_xla is not installed. "
                 "The XLA path needs the xla extra: pip install 'donate_backend[xla]' "
                 "(torch==2.9.0 and torch_xla==2.9.0). CUDA and CPU tensors need no torch_xla; on current "
-                "torch, see README.md.",
+                "torch, XLA runs through JAX: donate_backend.jax_device() (docs/jax.md).",
                 help_section="Refused before anything runs",
             ) from error
 
@@ -125,15 +129,40 @@ class XlaPath(Path):
 
 
 
+class JaxPath(Path):
+    """Tensors on ``donate_backend.jax_device()``: graphs lowered to JAX (``donate_backend.jax``)."""
+
+    name = "jax"
+    fixed_sizes = True
+
+    def claims(self, gm, example_inputs) -> bool:
+        """Its inputs on the JAX device, or, for a graph that reads no tensor of it, the
+        tensors it makes (``torch.arange(..., device=x.device)`` after a graph break)."""
+        if any(t.device.type == "jax" for t in _tensors(example_inputs)):
+            return True
+        made = (node.meta.get("example_value") for node in gm.graph.nodes if node.op == "call_function")
+        return any(t.device.type == "jax" for t in _tensors(made))
+
+    def check_available(self, graph_id: int, example_inputs) -> None:
+        from .jax import device
+
+        device.start()  # refuses, with what to do, where torch or JAX cannot serve it
+
+    def package(self):
+        from . import jax
+
+        return jax
+
+
 @functools.lru_cache(maxsize=None)
 def paths() -> tuple:
     """Every path, in the order they are asked to claim a graph (the native path last)."""
-    return (XlaPath(), NativePath())
+    return (JaxPath(), XlaPath(), NativePath())
 
 
-def path_for(example_inputs: Sequence, graph_id: int) -> Path:
-    """The path that claims a graph with ``example_inputs``, checked to be available."""
-    path = next(p for p in paths() if p.claims(example_inputs))
+def path_for(gm, example_inputs: Sequence, graph_id: int) -> Path:
+    """The path that claims dynamo's graph ``gm`` with ``example_inputs``, checked to be available."""
+    path = next(p for p in paths() if p.claims(gm, example_inputs))
     path.check_available(graph_id, example_inputs)
     return path
 

@@ -5,7 +5,8 @@ backward that frees saved tensors at their last use and reuses dying buffers), a
 the same eager run; that needs no torch_xla. ``--path mesh`` runs it on XLA in SPMD
 mode over a 4-device mesh, every tensor replicated (the executables lowered on real
 buffers per sharding signature). ``--path cuda`` runs the native path on a CUDA device
-against eager on that same device (``tools/gpu_check.sh``; CI has no GPU).
+against eager on that same device (``tools/gpu_check.sh``; CI has no GPU). ``--path jax``
+runs the JAX target (``donate_backend.jax_device()``: torch 2.15 with jax, no torch_xla).
 
 Each scenario is generated from one seed. It holds persistent state (a module
 with parameters and buffers, optional tied weights, an optional frozen parameter
@@ -76,6 +77,7 @@ import torch.nn.functional as F  # noqa: F401 - used by generated code
 import donate_backend  # noqa: F401 - registers the backend where the package is not installed
 
 MESH_ENV = "DONATE_XLA_FUZZ_MESH"  # set by ``--path mesh`` in its worker processes
+JAX_ENV = "DONATE_XLA_FUZZ_JAX"  # set by ``--path jax``: the device is registered before any backward
 # set by ``--mixed``: each donate_xla call on XLA runs stitched or not at random (the
 # switch is read per call), so stitched graphs and executables share state
 MIXED_ENV = "DONATE_XLA_FUZZ_MIXED"
@@ -92,6 +94,8 @@ try:  # before any backward runs: torch_xla registers its device with the autogr
     torch_xla.device()
 except ImportError:  # the generator still imports; running needs torch_xla
     torch_xla = None
+if os.environ.get(JAX_ENV) == "1":
+    donate_backend.jax_device()  # before the first backward: the autograd engine counts devices then
 
 N, D = 4, 6  # batch rows, features
 RTOL, ATOL = 2e-3, 2e-4
@@ -678,7 +682,7 @@ def difference(
     return None
 
 
-PATHS = ("xla", "native", "mesh", "cuda")
+PATHS = ("xla", "native", "mesh", "cuda", "jax")
 
 
 def _native_compiler() -> str:
@@ -688,12 +692,21 @@ def _native_compiler() -> str:
     return config.current().native_compiler
 
 
+def _device(path: str) -> torch.device:
+    if path == "native":
+        return torch.device("cpu")
+    if path == "jax":
+        return donate_backend.jax_device()
+    return torch_xla.device()
+
+
 def check(seed: int, path: str = "xla") -> Outcome:
     """Generate scenario ``seed``, run it eagerly on the CPU and with donate_xla: on XLA
     (``path="xla"``); on XLA in SPMD mode, every tensor replicated over a 4-device mesh
     (``path="mesh"``, in a process started with DONATE_XLA_FUZZ_MESH=1 and
     CPU_NUM_DEVICES=4); or on the CPU, which is its native path (``path="native"``: the
-    freeing backward and buffer reuse, with the executor DONATE_XLA_NATIVE_COMPILER names)."""
+    freeing backward and buffer reuse, with the executor DONATE_XLA_NATIVE_COMPILER names);
+    or on the JAX device (``path="jax"``: the JAX target, torch 2.15 with jax)."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if path == "mesh" and os.environ.get(MESH_ENV) != "1":
@@ -705,7 +718,7 @@ def check(seed: int, path: str = "xla") -> Outcome:
     expected = run(scenario, torch.device("cpu"), compiled=False)
     if expected.error is not None:
         return Outcome(seed, "invalid", f"eager: {type(expected.error).__name__}: {expected.error}")
-    device = torch.device("cpu") if path == "native" else torch_xla.device()
+    device = _device(path)
     got = run(scenario, device, compiled=True)
     torch._dynamo.reset()
     problem = difference(scenario, expected, got, "donate_xla")
@@ -721,6 +734,8 @@ def check(seed: int, path: str = "xla") -> Outcome:
             seed, "numerics", f"float32 rounding: in float64 donate_xla equals eager CPU; in float32: {problem}",
             scenario.source(),
         )
+    if path == "jax":  # every difference left is the JAX target's (no eager device of another's to blame)
+        return Outcome(seed, "failed", problem, scenario.source())
     if path == "native":
         if _native_compiler() == "inductor":  # our executor is Inductor: its own deviations are upstream
             inductor = run(scenario, torch.device("cpu"), compiled=True, backend="inductor")
@@ -874,6 +889,8 @@ def _run_chunk(seeds: list[int], progress_path: str, path: str) -> list[dict]:
 
 def _worker_env(path: str) -> dict:
     env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
+    if path == "jax":
+        env[JAX_ENV] = "1"
     if path == "mesh":
         env[MESH_ENV] = "1"
         if env["PJRT_DEVICE"] == "CPU":
@@ -891,7 +908,7 @@ def main() -> int:
         "--path", choices=PATHS, default="xla",
         help="xla: donate_xla on torch_xla's device; mesh: the same in SPMD mode on a 4-device "
         "mesh, tensors replicated; native: on the CPU (its native path); cuda: the native path "
-        "on a CUDA device, against eager on that device",
+        "on a CUDA device, against eager on that device; jax: the JAX target on jax_device()",
     )
     parser.add_argument(
         "--mixed", action="store_true",

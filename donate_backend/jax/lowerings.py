@@ -1406,6 +1406,28 @@ def _native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, w
     return grad_input, grad_weight, grad_bias
 
 
+def _weight_norm(v, g, dim):
+    """``w = v * g / |v|``, the norm over every dimension but ``dim``, and the norm."""
+    acc = _opmath(v.dtype)
+    axes = tuple(i for i in range(v.ndim) if i != dim % max(v.ndim, 1))
+    vv = _to(v, acc)
+    norm = jnp.sqrt(jnp.sum(vv * vv, axis=axes, keepdims=True))
+    return _cast(vv * (_to(g, acc) / norm), v.dtype), _cast(norm, v.dtype)
+
+
+@register("_weight_norm_interface.default")
+def _weight_norm_interface(v, g, dim=0):
+    w, norm = _weight_norm(v, g, dim)
+    return w, norm.reshape(g.shape)
+
+
+@register("_weight_norm_interface_backward.default")
+def _weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    _, pullback = jax.vjp(lambda v, g: _weight_norm(v, g, dim)[0], saved_v, saved_g)
+    grad_v, grad_g = pullback(grad_w)
+    return grad_v, grad_g
+
+
 def _bn_axes(x):
     return (0,) + tuple(range(2, x.ndim))
 
