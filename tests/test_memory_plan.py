@@ -44,7 +44,7 @@ def test_replay_of_a_graph_counts_each_new_storage_until_its_last_reader():
     gm = make_fx(lambda a: ((a * 2).sin() + a).view(16, 16), tracing_mode="fake")(torch.randn(256))
     m = memory.replay(gm.graph, "g", "inference")
     assert (m.peak_bytes, m.end_bytes) == (2 * KIB, KIB)
-    assert dict(m.end_parts) == {memory.OUTPUTS: KIB}
+    assert dict(m.end_parts) == {graph_memory.OUTPUTS: KIB}
     assert m.peak_node == "sin"
 
 
@@ -58,7 +58,7 @@ def test_replay_of_a_backward_releases_owned_inputs_and_counts_reused_buffers_on
     kept = memory.replay(gm.graph, "g", "backward")
     assert (kept.peak_bytes, kept.end_bytes) == (2 * KIB, KIB)
     released = memory.replay(gm.graph, "g", "backward", released_inputs=[saved, tangent],
-                             input_categories={saved: memory.ACTIVATIONS, tangent: memory.GRADIENTS})
+                             input_categories={saved: graph_memory.ACTIVATIONS, tangent: graph_memory.GRADIENTS})
     # cos (+1) while saved lives; saved dies at cos (-1); mul (+1); cos and the tangent die (-2)
     assert (released.peak_bytes, released.end_bytes) == (KIB, -KIB)
     assert released.released_input_bytes == 2 * KIB and released.tangent_bytes == KIB
@@ -640,9 +640,9 @@ def test_a_limits_prediction_keeps_the_weights_the_backward_reads_resident(monke
     # at the backward's end: the weights and the batch still resident, every saved
     # activation released (none below zero: no weight subtracted), each gradient made, and
     # the loss's 4-byte tangent
-    assert parts[memory.INPUTS] == params + batch
-    assert parts[memory.ACTIVATIONS] == 0
-    assert parts[memory.GRADIENTS] == params + 4
+    assert parts[graph_memory.INPUTS] == params + batch
+    assert parts[graph_memory.ACTIVATIONS] == 0
+    assert parts[graph_memory.GRADIENTS] == params + 4
     assert peak >= 2 * params  # the parameters, and their gradients at the backward's end
 
 
