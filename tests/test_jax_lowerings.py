@@ -407,6 +407,10 @@ def _direct_samples():
     record(aten.native_batch_norm_backward.default, g, x, w, rm, rv, mean, invstd, True, 1e-5, [True, True, True])
     record(aten.native_batch_norm_backward.default, g, x, None, rm, rv, None, None, False, 1e-5,
            [True, False, True])
+    v, gain = _rand(6, 4), _rand(6, 1).abs() + 0.5  # weight norm along dim 0 (torch.nn.utils.weight_norm)
+    record(aten._weight_norm_interface.default, v, gain, 0)
+    _, norms = aten._weight_norm_interface(v, gain, 0)
+    record(aten._weight_norm_interface_backward.default, _rand(6, 4), v, gain, norms, 0)
     _, mean, rstd = aten.native_layer_norm(x, [5], w[:1].expand(5).contiguous(), None, 1e-5)
     record(aten.native_layer_norm_backward.default, g, x, [5], mean, rstd, _rand(5), None, [True, True, False])
     _, mean, rstd = aten.native_group_norm(x, None, None, 4, 3, 25, 3, 1e-5)
