@@ -100,6 +100,25 @@ def held_bytes(refs: tuple) -> int:
     return sum(size for ref, size in refs if not ref.expired())
 
 
+def first_call_identities(roles: Sequence[str], inputs: Sequence, outputs: Sequence, identity, size):
+    """What a graph's first call tells the step's plan (``GraphRecord.runs``): the
+    ``(role, identity, bytes)`` of each tensor it reads, which its caller may hold between
+    steps, and the identities of the tensors it returned that it did not read. ``identity``
+    names a tensor across graphs (a storage, or a tensor object where there is no storage
+    address) and is None for one the path does not place (a host scalar); ``size`` gives
+    its bytes on the device."""
+    held = []
+    for role, value in zip(roles, inputs):
+        key = identity(value) if isinstance(value, torch.Tensor) else None
+        if key is not None:
+            held.append((role, key, size(value)))
+    read = {key for _, key, _ in held}
+    returned = frozenset(
+        key for key in (identity(v) for v in outputs if isinstance(v, torch.Tensor)) if key is not None and key not in read
+    )
+    return tuple(held), returned
+
+
 def outputs_held(records) -> dict:
     """Graph id -> bytes of that forward's outputs still alive, for each forward record in
     ``records`` that noted its outputs' storages (``GraphRecord.output_storages``)."""

@@ -218,14 +218,10 @@ class _Observer:
         if self.kind == "backward":
             record.runs.outputs_held = graph_memory.outputs_held(r for r in report.reports() if r.path == "jax")
             return
-        held = []
-        for role, value in zip(self.roles or ["other"] * len(tensors), tensors):
-            if isinstance(value, torch.Tensor) and value.device.type == "jax":
-                held.append((role, aliasing.storage_key(value), graph_memory.dense_bytes(value)))
-        record.runs.held_inputs = tuple(held)
-        inputs = {aliasing.storage_key(t) for t in tensors if isinstance(t, torch.Tensor)}
-        record.runs.returned = frozenset(aliasing.storage_key(v) for v in outputs
-                                         if isinstance(v, torch.Tensor) and aliasing.storage_key(v) not in inputs)
+        record.runs.held_inputs, record.runs.returned = graph_memory.first_call_identities(
+            self.roles or ["other"] * len(tensors), tensors, outputs,
+            lambda t: aliasing.storage_key(t) if t.device.type == "jax" else None, graph_memory.dense_bytes,
+        )
 
 
 class CompiledGraph:

@@ -557,11 +557,8 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
     if record.kind == "backward":
         record.runs.outputs_held = graph_memory.outputs_held(r for r in report.reports() if r.path == "xla")
         return
-    held = []
-    for role, value in zip(roles, args):
-        if isinstance(value, torch.Tensor):
-            held.append((role, ("xla", id(value)), xla_bytes(value)))
-    record.runs.held_inputs = tuple(held)
+    record.runs.held_inputs, returned = graph_memory.first_call_identities(
+        roles, args, outputs, lambda t: ("xla", id(t)), xla_bytes)
     record.runs.parameter_refs = tuple(
         weakref.ref(value) for role, value in zip(roles, args)
         if role == "parameter" and isinstance(value, torch.Tensor)
@@ -570,9 +567,7 @@ def note_call(record, roles: Sequence[str], args: Sequence, outputs: Sequence = 
     made = [v for v in outputs if isinstance(v, torch.Tensor) and id(v) not in inputs]
     # an input returned as it is stays the caller's; each output also by its torch_xla
     # id, which an alias of it that eager autograd saved shares (``eager_saved``)
-    record.runs.returned = frozenset(("xla", id(v)) for v in made) | frozenset(
-        key for key in map(_tensor_key, made) if key is not None
-    )
+    record.runs.returned = returned | frozenset(key for key in map(_tensor_key, made) if key is not None)
     if record.kind == "forward":
         _note_eager_saved(record, args)
     if record.kind == "forward" and forward_returns is not None:
