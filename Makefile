@@ -123,6 +123,9 @@ test-xla: $(STAMP)
 		$(foreach case,$(SLOW_FUZZ),--deselect '$(FUZZ)::$(case)') --deselect '$(SLOW_COMPAT)' --deselect '$(NATIVE_BATCH)'
 	$(PY) -m pytest -q $(LAYERS)
 
+# The JAX target's real models: make test trains GPT-2 (AdamW and SGD momentum), Llama and BERT
+JAX_REAL := tests/test_jax_target.py::test_a_real_model_trains_like_eager
+SLOW_JAX_REAL := t5 mixtral bart albert whisper clip
 test-slow: $(STAMP) $(NEWEST_STAMP)
 	$(PY) -m pytest -q $(XDIST) --dist load $(foreach mode,$(SLOW_LOOP_MODES),'$(LOOP)[$(mode)]') \
 		$(foreach case,$(SLOW_SPMD),'$(SPMD)[$(case)]') \
@@ -134,6 +137,7 @@ test-slow: $(STAMP) $(NEWEST_STAMP)
 	$(NEWEST_PY) -m pytest -q $(XDIST) --dist loadgroup $(foreach model,$(SLOW_INDUCTOR_NEWEST),'$(NATIVE_REAL)[$(model)-inductor]') '$(NATIVE_DYNAMIC)' \
 		$(foreach model,$(SLOW_DDP_REAL_NEWEST),'$(DDP_REAL)::test_real_model_under_ddp_equals_eager_ddp[$(model)]') \
 		$(foreach model,$(SLOW_PLAN_NEWEST),'$(PLAN_REAL)[$(model)]')
+	DONATE_XLA_TEST_JAX=1 $(NEWEST_PY) -m pytest -q $(XDIST) $(foreach case,$(SLOW_JAX_REAL),'$(JAX_REAL)[$(case)]')
 
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c 'import torch; print("torch", torch.__version__, "(no torch_xla)")'
@@ -142,7 +146,8 @@ test-newest: $(NEWEST_STAMP)
 		$(foreach model,$(SLOW_DDP_REAL_NEWEST),--deselect '$(DDP_REAL)::test_real_model_under_ddp_equals_eager_ddp[$(model)]') \
 		$(foreach model,$(SLOW_PLAN_NEWEST),--deselect '$(PLAN_REAL)[$(model)]')
 	# The JAX target: a process of its own, which registers the JAX device before its first backward
-	DONATE_XLA_TEST_JAX=1 $(NEWEST_PY) -m pytest -q $(XDIST) --durations=5 tests/test_jax_target.py
+	DONATE_XLA_TEST_JAX=1 $(NEWEST_PY) -m pytest -q $(XDIST) --durations=5 tests/test_jax_target.py \
+		$(foreach case,$(SLOW_JAX_REAL),--deselect '$(JAX_REAL)[$(case)]')
 
 # Differential fuzzing of the XLA path against eager PyTorch (about 1 s a scenario).
 FUZZ_COUNT ?= 2000

@@ -452,6 +452,8 @@ def _direct_samples():
     record(aten.index_put.default, _rand(3, 4), [torch.tensor([True, False, True])], _rand(4), True)
     record(aten.index_put.default, i, [torch.tensor([True, False, True])], _rand(2, 4, dtype=torch.int64))
     record(aten._unsafe_index_put.default, _rand(3, 4), [idx, torch.tensor([0, 1, 2])], _rand(3), True)
+    record(aten._index_put_impl.default, _rand(3, 4), [idx], _rand(4), True, False)
+    record(aten._index_put_impl.default, _rand(3, 4), [torch.tensor([True, False, True])], _rand(4))
     record(aten.index_select.default, _rand(3, 4), 1, torch.tensor([3, 0, 0]))
     record(aten.index_select.default, _rand(3, 4), 0, torch.tensor(1))
     record(aten.gather.default, _rand(4, 5), 1, torch.tensor([[0, 4], [1, 1]]))
@@ -758,7 +760,7 @@ def check_sample(op, args, kwargs, expected, got):
 NON_RANDOM = sorted((op for op in L.lowered_ops() if not L.is_random(op)), key=str)
 CHUNK = 40  # ops compiled together: one XLA compile for many small programs
 # ops some of whose samples have value-dependent shapes (boolean masks): run on their own
-EAGER_SAMPLES = (aten.index.Tensor, aten.index_put.default, aten.nonzero.default)
+EAGER_SAMPLES = (aten.index.Tensor, aten.index_put.default, aten._index_put_impl.default, aten.nonzero.default)
 
 
 @pytest.fixture(scope="module")

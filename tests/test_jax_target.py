@@ -31,6 +31,7 @@ try:
 except DonateXlaError as error:  # torch older than 2.15
     pytest.skip(str(error), allow_module_level=True)
 
+import training_loop  # noqa: E402
 import xla_fuzz  # noqa: E402
 from real_models import MODELS, available  # noqa: E402
 
@@ -217,13 +218,24 @@ def test_dropout_draws_a_new_mask_each_call_at_its_rate():
     assert not torch.equal(first, second)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
-def test_a_real_model_trains_like_eager(name):
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+    "sgd": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
+}
+# every HF model of tests/real_models.py (torchvision has no release for the newest torch yet);
+# make test runs the first four, make test-slow the rest (SLOW_JAX_REAL in the Makefile)
+REAL_CASES = ["gpt2", "gpt2-sgd", "llama", "bert", "t5", "mixtral", "bart", "albert", "whisper", "clip"]
+
+
+@pytest.mark.parametrize("case", REAL_CASES)
+def test_a_real_model_trains_like_eager(case):
+    name, _, optimizer = case.partition("-")
     if not available(name):
         pytest.skip(f"{MODELS[name].package} is not installed")
     spec = MODELS[name]
     eager, ours = spec.build(), spec.build_on(DEV)
-    opt_e, opt_o = torch.optim.AdamW(eager.parameters(), lr=1e-3), torch.optim.AdamW(ours.parameters(), lr=1e-3)
+    make = OPTIMIZERS[optimizer or "adamw"]
+    opt_e, opt_o = make(eager.parameters()), make(ours.parameters())
 
     def step(model, opt, batch):
         loss = spec.loss(model, batch)
@@ -245,6 +257,31 @@ def test_a_real_model_trains_like_eager(name):
     assert all(r.path == "jax" for r in donate_backend.reports())
 
 
+@pytest.mark.parametrize("mode", ["step", "model"])
+def test_a_training_loop_with_accumulation_clipping_a_schedule_eval_and_a_checkpoint(mode):
+    """tests/training_loop.py on the JAX device against the same loop run eagerly on the CPU:
+    the whole step compiled, at the full activation budget and at 0.5 (its forwards then save
+    less for the backward), and only the model compiled (the optimizer and clipping then run
+    op by op on the device)."""
+    if not available(training_loop.MODEL):
+        pytest.skip(f"{MODELS[training_loop.MODEL].package} is not installed")
+    eager = training_loop.run(None, torch.device("cpu"))
+    saved = {}
+    for budget in (1.0, 0.5) if mode == "step" else (1.0,):
+        torch._dynamo.reset()
+        donate_backend.clear_reports()
+        with config.patch(activation_budget=budget):
+            got = training_loop.run(mode, DEV)
+        records = donate_backend.reports()
+        assert records and all(r.path == "jax" for r in records)
+        if mode == "step":
+            assert any(r.donated for r in records), "the compiled step donated nothing"
+        saved[budget] = sum(r.saved_bytes for r in records if r.kind == "forward")
+        training_loop.compare(got, eager)
+    if mode == "step":
+        assert saved[0.5] < saved[1.0], saved
+
+
 @pytest.mark.parametrize("seed", range(40_000, 40_012))
 def test_random_training_program_matches_eager_on_the_jax_target(seed):
     outcome = xla_fuzz.check(seed, path="jax")
@@ -260,3 +297,4 @@ def test_the_fake_mode_is_left_for_a_graph_constant():
         with compat.outside_fake_mode():
             assert not isinstance(torch.ones(1), torch._subclasses.fake_tensor.FakeTensor)
     assert array.tolist() == [1.5, 2.0]
+

@@ -28,7 +28,6 @@ runs the other four.
 """
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -44,15 +43,8 @@ import torch_xla
 
 import donate_backend
 from donate_backend import config
+import training_loop
 from real_models import MODELS, available
-
-MODEL = "gpt2"
-STEPS = 4
-LR = 1e-3
-LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
-# AdamW moves an element by about lr whatever its gradient (tests/test_xla_real_models.py)
-PARAM_TOL = dict(rtol=1e-4, atol=2.5 * LR)
-STATE_TOL = dict(rtol=1e-3, atol=1e-6)
 
 MODES = {
     "step": dict(),
@@ -63,78 +55,14 @@ MODES = {
 }
 
 
-def _loop(mode):
-    """Losses (train and eval, in order), parameters and optimizer state after the loop.
-
-    ``mode`` None: eager torch_xla.
-    """
-    real = MODELS[MODEL]
-    device = torch_xla.device()
-    torch.manual_seed(0)
-    model = real.build_on(device)
-    # the learning rate as a tensor, as docs/trainers.md recommends: the scheduler writes a new
-    # value into it every step, and the compiled step reads it instead of recompiling for it
-    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(LR))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    forward = torch.compile(model, backend="donate_xla") if mode == "model" else model
-
-    def step(batch, set_to_none: bool):
-        halves = [{k: v[:1] for k, v in batch.items()}, {k: v[1:] for k, v in batch.items()}]
-        total = 0.0
-        for half in halves:
-            loss = real.loss(forward, half) / len(halves)
-            loss.backward()
-            total = total + loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        opt.step()
-        opt.zero_grad(set_to_none=set_to_none)
-        return total
-
-    def evaluate(batch):
-        model.eval()
-        with torch.no_grad():
-            loss = real.loss(forward, batch)
-        model.train()
-        return loss
-
-    compiled = mode is not None and mode != "model"
-    train_step = torch.compile(step, backend="donate_xla") if compiled else step
-    eval_step = torch.compile(evaluate, backend="donate_xla") if compiled else evaluate
-    losses, saved = [], None
-    for s in range(STEPS):
-        seed = s if s < 2 else s - 1  # step 3 sees step 2's data again
-        batch = {k: v.to(device) for k, v in real.batch(seed).items()}
-        losses.append(train_step(batch, s % 2 == 0).detach())
-        sched.step()
-        losses.append(eval_step(batch).detach())
-        if s == 0:
-            saved = (
-                {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                copy.deepcopy(opt.state_dict()),  # deep copies of XLA tensors: new buffers
-                copy.deepcopy(sched.state_dict()),
-            )
-        if s == 1:
-            model.load_state_dict(saved[0])
-            opt.load_state_dict(saved[1])
-            sched.load_state_dict(saved[2])
-        torch_xla.sync()
-    state = {
-        f"{i}.{k}": v.detach().cpu()
-        for i, p in enumerate(model.parameters())
-        for k, v in opt.state[p].items()
-        if isinstance(v, torch.Tensor)
-    }
-    params = {n: p.detach().cpu() for n, p in model.named_parameters()}
-    return torch.stack(losses).cpu(), params, state
-
-
 def check(mode):
     """Run the loop eagerly and in ``mode``; raise on any difference."""
-    eager_losses, eager_params, eager_state = _loop(None)
+    device = torch_xla.device()
+    eager = training_loop.run(None, device, torch_xla.sync)
     torch._dynamo.reset()
     donate_backend.clear_reports()
     with config.patch(**MODES[mode]):
-        losses, params, state = _loop(mode)
+        got = training_loop.run(mode, device, torch_xla.sync)
     records = [r for r in donate_backend.reports() if r.path == "xla"]
     assert records, "nothing was compiled on the XLA path"
     if mode in ("step", "step-budget", "step-segments"):  # stitched graphs donate at the sync instead
@@ -145,20 +73,13 @@ def check(mode):
         assert any(r.recompute_gated for r in records if r.kind == "backward")
     if mode == "step-segments":
         assert any(r.backward_segments >= 2 for r in records)
-    # restored to its state after step 1, step 3 repeats step 2 (train and eval)
-    torch.testing.assert_close(eager_losses[4:6], eager_losses[2:4], **LOSS_TOL)
-    torch.testing.assert_close(losses, eager_losses, **LOSS_TOL)
-    for name, value in eager_params.items():
-        torch.testing.assert_close(params[name], value, **PARAM_TOL, msg=lambda m: f"parameter {name}: {m}")
-    assert state.keys() == eager_state.keys()
-    for name, value in eager_state.items():
-        torch.testing.assert_close(state[name], value, **STATE_TOL, msg=lambda m: f"optimizer state {name}: {m}")
+    training_loop.compare(got, eager)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_training_loop_with_accumulation_clipping_schedule_eval_and_checkpoint(mode):
-    if not available(MODEL):
-        pytest.skip(f"{MODELS[MODEL].package} is not installed")
+    if not available(training_loop.MODEL):
+        pytest.skip(f"{MODELS[training_loop.MODEL].package} is not installed")
     env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
     proc = subprocess.run(
         [sys.executable, __file__, mode], capture_output=True, text=True, timeout=900, env=env,

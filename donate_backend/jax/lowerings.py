@@ -1665,8 +1665,8 @@ def _masked_put(self, position, mask, values, accumulate):
     return jnp.where(where, full, self)
 
 
-@register("index_put.default", "_unsafe_index_put.default")
-def _index_put(self, indices, values, accumulate=False):
+@register("index_put.default", "_unsafe_index_put.default", "_index_put_impl.default")
+def _index_put(self, indices, values, accumulate=False, unsafe=False):
     values = _to(values, self.dtype)
     key = _index_key(indices)
     masks = [i for i, k in enumerate(key) if _is_array(k) and k.dtype == jnp.bool_]
