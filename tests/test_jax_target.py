@@ -298,3 +298,56 @@ def test_the_fake_mode_is_left_for_a_graph_constant():
             assert not isinstance(torch.ones(1), torch._subclasses.fake_tensor.FakeTensor)
     assert array.tolist() == [1.5, 2.0]
 
+
+def _probe(tmp_path, batch=8, **env):
+    """tests/jax_cache_probe.py in a fresh process, its cache in ``tmp_path`` unless ``env`` says."""
+    import json
+    import subprocess
+    import sys
+
+    environ = dict(os.environ, DONATE_XLA_CACHE_DIR=str(tmp_path), **env)
+    environ.pop("DONATE_XLA_TEST_JAX", None)
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, os.path.join(here, "jax_cache_probe.py"), str(batch)],
+                          capture_output=True, text=True, timeout=600, env=environ, cwd=here)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for got, expected in zip(result["losses"], result["expected"]):
+        assert abs(got - expected) <= 1e-5 * max(1.0, abs(expected)), result
+    return result
+
+
+CACHED = "loaded from JAX's compilation cache"
+
+
+def test_a_second_process_loads_every_executable_from_the_compilation_cache(tmp_path):
+    first = _probe(tmp_path)
+    assert first["directory"] == str(tmp_path)
+    kinds = sorted(kind for kind, *_ in first["graphs"])
+    assert kinds == ["backward", "forward", "inference"], first  # the optimizer's step: an inference graph
+    assert all(phases == ["xla compile"] for _, *phases in first["graphs"]), first
+    assert any(tmp_path.iterdir())
+    second = _probe(tmp_path)
+    assert sorted(kind for kind, *_ in second["graphs"]) == kinds
+    assert all(phases == [CACHED] for _, *phases in second["graphs"]), second
+    assert second["losses"] == first["losses"]
+    # another batch size: the forward and the backward are other executables (the optimizer's
+    # step, which reads no batch, is the same one)
+    other = dict((kind, phases) for kind, *phases in _probe(tmp_path, batch=5)["graphs"])
+    assert other == {"forward": ["xla compile"], "backward": ["xla compile"], "inference": [CACHED]}, other
+
+
+def test_a_corrupt_cache_entry_is_compiled_again_with_a_warning(tmp_path):
+    _probe(tmp_path)
+    for entry in tmp_path.rglob("*"):
+        if entry.is_file():
+            entry.write_bytes(b"not an executable")
+    again = _probe(tmp_path)
+    assert again["graphs"] and not any(CACHED in phases for _, *phases in again["graphs"]), again
+    assert again["warnings"], again
+
+
+def test_the_compilation_cache_is_off_with_its_switch(tmp_path):
+    off = _probe(tmp_path, DONATE_XLA_CACHE="0")
+    assert off["directory"] is None
+    assert not any(tmp_path.iterdir())

@@ -22,6 +22,7 @@ from ..analysis import aliasing, mutation
 from ..analysis.host_part import host_part
 from ..builds import BuildsPerSetting
 from ..errors import UnsupportedGraphError
+from . import cache
 from . import memory as jax_memory
 from .interpret import Program
 from .runtime import JaxExecutable
@@ -97,7 +98,8 @@ def lower(request: LoweringRequest, program: Program, specs: list) -> Lowered:
 
 def compile_lowered(lowered: Lowered) -> Compiled:
     started = time.perf_counter()
-    executable = lowered.jax_lowered.compile()
+    with cache.watch() as watched:
+        executable = lowered.jax_lowered.compile()
     analysis = executable.memory_analysis()
     memory = None
     if analysis is not None:
@@ -105,7 +107,8 @@ def compile_lowered(lowered: Lowered) -> Compiled:
             argument_bytes=int(analysis.argument_size_in_bytes), output_bytes=int(analysis.output_size_in_bytes),
             alias_bytes=int(analysis.alias_size_in_bytes), temp_bytes=int(analysis.temp_size_in_bytes),
         )
-    object.__setattr__(lowered, "phases", lowered.phases + (("xla compile", time.perf_counter() - started),))
+    phase = "loaded from JAX's compilation cache" if watched.hit else "xla compile"
+    object.__setattr__(lowered, "phases", lowered.phases + ((phase, time.perf_counter() - started),))
     return Compiled(lowered, executable, memory)
 
 

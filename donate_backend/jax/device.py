@@ -78,6 +78,9 @@ def start() -> None:
                 help_section="The JAX target")
         # int64 indices and float64 stay 64-bit (JAX narrows them by default)
         jax.config.update("jax_enable_x64", True)
+        from . import cache
+
+        cache.configure()
         compat.register_python_backend(NAME, DeviceModule())
         compat.clone_storages_with(_clone_storage)
         from . import eager, serialization
