@@ -30,8 +30,11 @@ $(NEWEST_STAMP): pyproject.toml requirements-newest.txt
 	$(NEWEST_PY) -m pip install --quiet --no-cache-dir -e '.[test,bench]' -r requirements-newest.txt
 	touch $(NEWEST_STAMP)
 
-demo: $(STAMP)
+# The same model on torch_xla (.venv) and on the JAX target (.venv-newest: the newest torch with jax)
+demo:
+	$(MAKE) --no-print-directory -j2 $(STAMP) $(NEWEST_STAMP)
 	$(PY) examples/quickstart.py
+	$(NEWEST_PY) examples/quickstart_jax.py
 
 # The two environments install at once (downloads and unpacking, not CPU, bound them); the
 # suites then run one after the other: run side by side on a 2-core machine, XLA's compile

@@ -3,20 +3,18 @@
 Run with `make demo` (PJRT_DEVICE=CPU is set there). It prints the loss of
 each step, then one row per compiled graph: its kind, inputs, bytes sent to the
 device while compiling, what was donated, and compile time.
+examples/quickstart_jax.py trains the same model on the JAX target.
 """
 import os
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import torch_xla  # noqa: E402
-
-import donate_backend  # noqa: E402  (only for the report; the backend needs no import)
+import donate_backend  # only for the report; the backend needs no import
 
 
-def main() -> None:
-    device = torch_xla.device()
+def train(device, steps: int = 5) -> None:
+    """The model and its whole training step compiled with donate_xla on ``device``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)
@@ -33,12 +31,18 @@ def main() -> None:
 
     x = torch.randn(32, 64).to(device)
     y = torch.randint(0, 10, (32,)).to(device)
-    for i in range(5):
+    for i in range(steps):
         loss = step(x, y)
-        print(f"step {i}: loss {loss.item():.4f}")
-
+        print(f"step {i}: loss {loss.item():.4f}  (on {loss.device})")
     print()
     print(donate_backend.format_table())
+
+
+def main() -> None:
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import torch_xla
+
+    train(torch_xla.device())
     print()
     for record in donate_backend.reports():
         print(donate_backend.format_record(record))
