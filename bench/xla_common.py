@@ -208,11 +208,12 @@ def state_tensors(model, opt) -> list:
     return out
 
 
-def run_worker(script: str, *args: str, timeout: int = 1200, env: Optional[dict] = None) -> dict:
-    """Run ``script`` in a fresh interpreter; it prints one JSON line last."""
+def run_worker(script: str, *args: str, timeout: int = 1200, env: Optional[dict] = None,
+               python: Optional[str] = None) -> dict:
+    """Run ``script`` in a fresh interpreter (``python``, else this one); it prints one JSON line last."""
     env = dict(os.environ, PJRT_DEVICE="CPU", **(env or {}))
     out = subprocess.run(
-        [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout
+        [python or sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout
     )
     if out.returncode != 0:
         raise RuntimeError(f"{script} {args} failed:\n{out.stderr[-3000:]}")

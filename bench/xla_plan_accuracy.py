@@ -59,6 +59,7 @@ SETTINGS = {
 MODELS = ("mlp50m_sgd", "gpt6x512_adamw", "mlp8x2048_gelu", "preln4x512_adamw")
 REAL_MODELS = ("gpt2", "bert", "llama", "t5", "bart", "mixtral", "albert", "whisper", "clip", "resnet18", "vit",
                "convnext", "swin")
+VISION_MODELS = ("resnet18", "vit", "convnext", "swin")
 REAL_SIZE = dict(width=256, vocab=4096, seq=128, batch=8)
 
 
@@ -92,17 +93,75 @@ def _tensors(inputs) -> list:
     return out
 
 
-def worker(model_name: str) -> dict:
+class _TorchXla:
+    """The XLA path's device, its wait and torch_xla's record of XLA's compiles."""
+
+    def __init__(self):
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+
+        self.device = torch_xla.device()
+        self._torch_xla, self._xm, self._met = torch_xla, xm, met
+
+    def wait(self, model, opt, inputs) -> None:
+        self._torch_xla.sync()
+        self._xm.wait_device_ops()
+
+    def compiles(self) -> list:
+        data = self._met.metric_data("CompileTime")
+        return list(data[2]) if data else []  # (end time in s, duration in ns)
+
+    def compile_count(self) -> int:
+        data = self._met.metric_data("CompileTime")
+        return data[0] if data else 0
+
+
+class _JaxTarget:
+    """The JAX target's device, its wait (every state tensor's JAX array and the batch's: JAX
+    dispatches asynchronously) and JAX's record of XLA's compiles (its backend-compile
+    events): a compiled graph compiles once, but an eager op between graphs compiles for
+    each new shape (Mixtral's experts see a different number of tokens each step)."""
+
+    def __init__(self):
+        import jax
+
+        import donate_backend
+
+        self.device = donate_backend.jax_device()
+        self._compiles = []  # (end time in s, duration in ns), as torch_xla's metric gives them
+
+        def on_duration(event: str, duration: float, **kwargs) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                self._compiles.append((time.time(), duration * 1e9))
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+
+    def wait(self, model, opt, inputs) -> None:
+        import jax
+
+        import xla_common
+        from donate_backend.jax.device import buffer_of
+
+        tensors = xla_common.state_tensors(model, opt) + list(model.buffers()) + _tensors(inputs)
+        jax.block_until_ready([buffer_of(t).array for t in tensors])
+
+    def compiles(self) -> list:
+        return list(self._compiles)
+
+    def compile_count(self) -> int:
+        return len(self._compiles)
+
+
+def worker(model_name: str, path: str = "xla") -> dict:
+    runtime = _JaxTarget() if path == "jax" else _TorchXla()  # the JAX device first: before any backward
     import torch
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    import torch_xla.debug.metrics as met
 
     import donate_backend
     import xla_common
     from measure import current_rss
 
-    device = torch_xla.device()
+    device = runtime.device
     if model_name in REAL_MODELS:
         model, opt, step, inputs = _real_model(model_name, device)
     else:
@@ -110,8 +169,7 @@ def worker(model_name: str) -> dict:
     compiled = torch.compile(step, backend="donate_xla")
     for _ in range(xla_common.WARM_UP_CALLS):
         compiled(*inputs)
-        torch_xla.sync()
-        xm.wait_device_ops()
+        runtime.wait(model, opt, inputs)
     plan = donate_backend.memory_plan()
     state = sum(t.numel() * t.element_size() for t in xla_common.state_tensors(model, opt))
     state += sum(t.numel() * t.element_size() for t in [*model.buffers(), *_tensors(inputs)])
@@ -122,14 +180,7 @@ def worker(model_name: str) -> dict:
             samples.append((time.time(), current_rss()))
             time.sleep(0.002)
 
-    def compiles() -> list:
-        data = met.metric_data("CompileTime")
-        return list(data[2]) if data else []  # (end time in s, duration in ns)
-
-    def compile_count() -> int:
-        data = met.metric_data("CompileTime")
-        return data[0] if data else 0
-
+    compiles, compile_count = runtime.compiles, runtime.compile_count
     compiled_before = compile_count()
     thread = threading.Thread(target=sample)
     thread.start()
@@ -138,8 +189,7 @@ def worker(model_name: str) -> dict:
         time.sleep(0.01)
         starts.append(time.time())
         compiled(*inputs)
-        torch_xla.sync()
-        xm.wait_device_ops()
+        runtime.wait(model, opt, inputs)
     time.sleep(0.01)
     stop.set()
     thread.join()
@@ -162,7 +212,11 @@ def worker(model_name: str) -> dict:
         if outside:
             growth = max(growth, max(outside) - min(before))
         with_compiles = max(with_compiles, max(rss for _, rss in during) - min(before))
+    import importlib.metadata
+
     return dict(
+        versions={m: importlib.metadata.version(m) for m in (("torch", "jax", "jaxlib") if path == "jax"
+                                                             else ("torch", "torch_xla"))},
         predicted_growth=plan.growth_bytes, predicted_peak=plan.peak_bytes, predicted_resident=plan.resident_bytes,
         measured_growth=growth, state=state, plan=plan.as_text(), compiles=count,
         growth_with_compiles=with_compiles, samples_left_out=left_out,
@@ -173,6 +227,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS + REAL_MODELS))
     parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--path", choices=("xla", "jax"), default="xla",
+                        help="xla: torch_xla (this interpreter); jax: the JAX target (--newest-python)")
+    parser.add_argument("--newest-python", default=os.path.join(HERE, "..", ".venv-newest", "bin", "python"),
+                        help="the interpreter of the JAX target's rows (the newest torch with jax)")
     parser.add_argument("--worker", default=None, help="internal: one run")
     parser.add_argument("--verbose", action="store_true", help="print each plan")
     parser.add_argument("--json", default=None)
@@ -180,12 +238,17 @@ def main() -> int:
                         help="fresh processes per row, interleaved over the rows; the median growth is kept")
     options = parser.parse_args()
     if options.worker:
-        print(json.dumps(worker(options.worker)))
+        print(json.dumps(worker(options.worker, options.path)))
         return 0
     import xla_common
 
     rows = []
-    print("xla_plan_accuracy: XLA:CPU, live bytes (MALLOC_MMAP_THRESHOLD_=65536), one fresh process per row"
+    jax = options.path == "jax"
+    if jax:  # the JAX target's rows: the resnet and vision models need torchvision, which the newest torch lacks
+        options.models = ",".join(m for m in options.models.split(",") if m not in VISION_MODELS)
+        options.settings = "default"  # stitched steps and segments are the XLA path's levers
+    print(f"xla_plan_accuracy ({'the JAX target' if jax else 'torch_xla'}): XLA:CPU, live bytes "
+          "(MALLOC_MMAP_THRESHOLD_=65536), one fresh process per row"
           + (f", {options.repeats} interleaved repeats (median growth)" if options.repeats > 1 else ""))
     settings = options.settings.split(",")
     cells = [(model_name, setting) for model_name in options.models.split(",")
@@ -195,7 +258,9 @@ def main() -> int:
         for model_name, setting in cells:
             env = dict(SETTINGS[setting], MALLOC_MMAP_THRESHOLD_="65536")
             try:
-                runs[(model_name, setting)].append(xla_common.run_worker(__file__, "--worker", model_name, env=env))
+                runs[(model_name, setting)].append(xla_common.run_worker(
+                    __file__, "--worker", model_name, "--path", options.path, env=env,
+                    python=options.newest_python if jax else None))
             except Exception as error:  # a failing row is reported, the rest still run
                 print(f"  {model_name:<17} {setting:<8} failed: {str(error)[-400:]}")
     for (model_name, setting), done in runs.items():
@@ -229,7 +294,9 @@ def main() -> int:
               f"error: {max(abs(r['growth_error']) for r in rows):.1%}")
     from measure import write_results
 
-    write_results("xla_plan_accuracy", rows, repeats=options.repeats, steps=4, path=options.json, settings=SETTINGS)
+    versions = next((r["versions"] for r in rows), {})
+    write_results("jax_plan_accuracy" if jax else "xla_plan_accuracy", rows, repeats=options.repeats, steps=4,
+                  path=options.json, settings=SETTINGS, modules=(), more_versions=versions)
     return 0
 
 

@@ -192,6 +192,49 @@ def test_the_lowered_update_shows_which_input_is_written_over():
     assert normalised == "%arg0: tensor<4xf32> {tf.aliasing_output = 0}\n%arg1: tensor<4xf32>", normalised
 
 
+def test_an_input_the_forward_saves_as_it_is_is_not_copied_by_its_executable():
+    """A forward saves its weight and its input for the backward as they are: its executable
+    returns neither (XLA would copy each into a buffer of its own), the runtime hands the
+    inputs themselves to the backward, and the gradients are eager's."""
+    torch.manual_seed(0)
+    eager = nn.Linear(256, 128, bias=False)
+    ours = copy.deepcopy(eager).to(DEV)
+    x = torch.randn(4, 256)
+    f = torch.compile(lambda model, x: model(x).square().sum(), backend="donate_xla")
+    f(ours, x.to(DEV)).backward()
+    eager(x).square().sum().backward()
+    torch.testing.assert_close(ours.weight.grad.cpu(), eager.weight.grad, rtol=1e-5, atol=1e-5)
+    forward = next(r for r in donate_backend.reports() if r.kind == "forward")
+    # what it returns: the loss and the matmul's output (4 x 128; XLA adds a few bytes of its
+    # output tuple's table), not the weight (128 KiB) or the input (4 KiB)
+    assert 4 + 4 * 128 * 4 <= forward.lowered.memory.output_bytes < 4 * 256 * 4, forward.lowered.memory
+
+
+def test_a_write_into_one_of_two_overlapping_views_is_refused_by_name():
+    base = torch.zeros(4, 4).to(DEV)
+
+    @torch.compile(backend="donate_xla")
+    def f(a, b):
+        a.add_(1)
+        return b.sum()
+
+    with pytest.raises(Exception, match=r"inputs #\d+ and #\d+ are views of one tensor on the JAX device"):
+        f(base[:3], base[1:])
+
+
+def test_a_device_registered_after_the_first_backward_is_refused_with_what_to_do():
+    import subprocess
+    import sys
+
+    code = ("import torch, donate_backend\n"
+            "torch.ones(1, requires_grad=True).sum().backward()\n"
+            "donate_backend.jax_device()\n")
+    environ = {k: v for k, v in os.environ.items() if k != "DONATE_XLA_TEST_JAX"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=environ)
+    assert proc.returncode != 0
+    assert "DonateXlaError" in proc.stderr and "before the first backward" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_an_op_without_a_lowering_is_refused_by_name():
     x = torch.randn(4, 4).to(DEV)
 

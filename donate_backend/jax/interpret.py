@@ -4,7 +4,8 @@
 (a symbolic size as an int, static), and a random key where the graph draws random
 numbers, and returns ``(outputs, new_values)``: the graph's outputs, then the new value
 of each input it writes (aot_autograd keeps an input mutation in the graph as a
-``copy_`` into the input: ``writes`` lists them). Any other in-place op, an op with no
+``copy_`` into the input: ``writes`` lists them). An input returned as it is comes back
+as None (``passed_through``: the runtime returns the input itself). Any other in-place op, an op with no
 lowering, and a call of anything but an ATen op, an operator on sizes or ``getitem`` is
 refused with the op's and the graph's name, before anything is compiled (``check``).
 """
@@ -75,7 +76,21 @@ class Program:
         self.size_inputs = tuple(i for i, n in enumerate(self.placeholders)
                                  if isinstance(n.meta.get("val"), (torch.SymInt, int)) and
                                  not isinstance(n.meta.get("val"), bool))
+        self.passed_through = self._passed_through()
         self.check()
+
+    def _passed_through(self) -> dict:
+        """Output position -> input index, for each tensor input the graph returns as it is and
+        does not write (a parameter a forward saves for its backward): the executable does not
+        return it, which would make XLA copy it into a buffer of its own; the runtime hands
+        back the input itself."""
+        output = self.gm.graph.output_node().args[0]
+        values = list(output) if isinstance(output, (list, tuple)) else [output]
+        index = {node: i for i, node in enumerate(self.placeholders)}
+        written = {w.input_index for w in self.writes}
+        return {position: index[value] for position, value in enumerate(values)
+                if isinstance(value, torch.fx.Node) and value in index and index[value] not in written
+                and isinstance(value.meta.get("val"), torch.Tensor)}
 
     def _writes(self):
         index = {node: i for i, node in enumerate(self.placeholders)}
@@ -127,6 +142,7 @@ class Program:
             elif node.op == "output":
                 output_values = _mapped(node.args[0], env)
         outputs = tuple(output_values) if isinstance(output_values, (list, tuple)) else (output_values,)
+        outputs = tuple(None if i in self.passed_through else v for i, v in enumerate(outputs))
         return outputs, tuple(env[w.node] for w in self.writes)
 
     @staticmethod

@@ -12,7 +12,9 @@ Per call it
    old array is deleted by JAX: nothing else holds it, ``device.Buffer``), or writes it
    through where the input is part of a storage, or copies it to the host for a host
    input; and
-5. returns the outputs as new tensors of the device.
+5. returns the outputs as new tensors of the device, and an input the graph returns as it
+   is as that input (``interpret.Program.passed_through``: the executable does not return
+   it, which would copy it).
 
 Nothing waits for the device: JAX runs the executable asynchronously, and every
 result is an array that later reads wait for.
@@ -64,7 +66,8 @@ class JaxExecutable:
             with torch.no_grad():
                 for input_index, k in self._host.writebacks:
                     tensors[input_index].copy_(on_host[k])
-        result = [self._output(i, v, tensors) for i, v in enumerate(outputs)]
+        passed = self.program.passed_through
+        result = [tensors[passed[i]] if i in passed else self._output(i, v, tensors) for i, v in enumerate(outputs)]
         if self._host is not None:
             for position, k in self._host.outputs:
                 result[position] = on_host[k]
